@@ -1,0 +1,30 @@
+"""precision_annot: declare precision per PyTorch module once, run it on every backend.
+
+Declare with `precision` (class, instance or function), `precision_scope` or `annotate`;
+`resolve` computes each module's `Policy` into a `PrecisionPlan`; `apply` makes it real
+locally, and `precision_annot.adapters` hand it to Lightning, DeepSpeed, FSDP and DDP.
+"""
+
+from precision_annot.annotation import annotate, precision, precision_scope
+from precision_annot.dtypes import bf16, fp16, fp32, fp64
+from precision_annot.plan import PrecisionPlan
+from precision_annot.policy import Policy
+from precision_annot.resolution import resolve
+from precision_annot.runtime import apply, remove
+
+__all__ = [
+    "fp64",
+    "fp32",
+    "fp16",
+    "bf16",
+    "Policy",
+    "precision",
+    "precision_scope",
+    "annotate",
+    "resolve",
+    "apply",
+    "remove",
+    "PrecisionPlan",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from precision_annot.cli import main
+
+raise SystemExit(main())

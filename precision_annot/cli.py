@@ -1,0 +1,105 @@
+"""The `precision-annot` command: report a model's plan, export backend configs, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from precision_annot.plan import PrecisionPlan
+from precision_annot.policy import as_policy
+from precision_annot.resolution import resolve
+
+__all__ = ["main"]
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, without a traceback, exit status 2."""
+
+
+def load_target(target: str) -> nn.Module:
+    """Call `package.module:callable` or `path/to/file.py:callable` and check it gives a module."""
+    module_part, sep, attr = target.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise CLIError(
+            f"TARGET must be 'package.module:callable' or 'path/to/file.py:callable'. "
+            f"Received: {target!r}"
+        )
+    try:
+        if module_part.endswith(".py") or "/" in module_part:
+            path = Path(module_part)
+            if not path.is_file():
+                raise CLIError(f"Cannot import {module_part!r}: no such file.")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None:
+                raise CLIError(f"Cannot import {module_part!r}.")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_part)
+    except CLIError:
+        raise
+    except Exception as e:
+        raise CLIError(f"Cannot import {module_part!r}: {type(e).__name__}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise CLIError(f"{module_part!r} has no attribute {attr!r}.")
+    model = fn() if callable(fn) and not isinstance(fn, nn.Module) else fn
+    if not isinstance(model, nn.Module):
+        raise CLIError(
+            f"{target} must return an nn.Module. Received: {type(model).__name__}"
+        )
+    return model
+
+
+def _plan(args: argparse.Namespace) -> PrecisionPlan:
+    try:
+        default = None if args.default is None else as_policy(args.default, argument="--default")
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    return resolve(load_target(args.target), default)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    print(plan.to_json() if args.json else plan)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from precision_annot.demo import run_demo
+
+    return run_demo(fast=args.fast)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="precision-annot",
+        description="Per-module precision for PyTorch: report plans, export configs, demo.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    report = sub.add_parser("report", help="print the precision plan of a model")
+    report.add_argument("target", help="package.module:callable or path/to/file.py:callable")
+    report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
+    report.set_defaults(func=_cmd_report)
+    demo = sub.add_parser("demo", help="annotate, plan and train a small transformer")
+    demo.add_argument("--fast", action="store_true", help="fewer steps")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except CLIError as e:
+        print(f"precision-annot: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,71 @@
+"""Floating dtypes by name: the four a policy can hold, and every alias users type."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DTYPE_NAMES", "bf16", "dtype_name", "fp16", "fp32", "fp64", "to_dtype"]
+
+fp64 = torch.float64
+fp32 = torch.float32
+fp16 = torch.float16
+bf16 = torch.bfloat16
+
+#: Canonical short name of each supported dtype, as `str(Policy)` prints it.
+_SHORT: dict[torch.dtype, str] = {fp64: "fp64", fp32: "fp32", fp16: "fp16", bf16: "bf16"}
+
+_ALIASES: dict[torch.dtype, tuple[str, ...]] = {
+    fp64: ("fp64", "float64", "f64", "double", "torch.float64", "torch.double"),
+    fp32: ("fp32", "float32", "f32", "float", "single", "torch.float32", "torch.float"),
+    fp16: ("fp16", "float16", "f16", "half", "torch.float16", "torch.half"),
+    bf16: ("bf16", "bfloat16", "torch.bfloat16"),
+}
+
+#: Every accepted name, lower case, mapped to its dtype.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    alias: dtype for dtype, aliases in _ALIASES.items() for alias in aliases
+}
+
+LOW_PRECISION: frozenset[torch.dtype] = frozenset({fp16, bf16})
+
+
+def _valid() -> str:
+    return ", ".join(repr(n) for n in DTYPE_NAMES)
+
+
+def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
+    """Return the floating dtype `value` names: a `torch.dtype` or any alias in `DTYPE_NAMES`.
+
+    Raises `ValueError` for an unknown name or a non-floating dtype, and `TypeError` for
+    anything else; the message names `field`, quotes the value and lists the valid names.
+    """
+    if isinstance(value, torch.dtype):
+        if value in _SHORT:
+            return value
+        raise ValueError(
+            f"{field} must be a floating dtype among fp64, fp32, fp16, bf16. "
+            f"Received: {field}={value!r}"
+        )
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in DTYPE_NAMES:
+            return DTYPE_NAMES[key]
+        raise ValueError(
+            f"Unknown dtype name {value!r} for {field}. Valid names: {_valid()}"
+        )
+    raise TypeError(
+        f"{field} must be a torch.dtype or a dtype name such as 'bf16'. "
+        f"Received: {field}={value!r} (of type {type(value).__name__})"
+    )
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """The canonical short name (`fp32`, `bf16`, ...) of a supported dtype, or `-` for None."""
+    if dtype is None:
+        return "-"
+    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of `dtype`."""
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,311 @@
+"""`PrecisionPlan`: the effective policy of every module, where each field came from, and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import weakref
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import nn
+
+from precision_annot.dtypes import LOW_PRECISION, dtype_name, fp16
+from precision_annot.policy import FIELDS, Policy
+
+__all__ = ["ModulePlan", "PrecisionPlan", "Source"]
+
+Source: TypeAlias = Literal["instance", "rule", "class", "scope", "inherited", "default"]
+
+_JSON_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePlan:
+    """One module's row of the plan.
+
+    Attributes:
+        name: qualified module name ("" for the root).
+        type: the module's class, qualified.
+        policy: the effective policy.
+        sources: per field, where its value came from, or None where nothing set it.
+        keep_dtype: arguments never cast at this module's boundary.
+        boundary: True when this module casts at entry or exit, or changes autocast.
+        params: number of the module's own parameter elements.
+        param_bytes: bytes of its own parameters in their planned storage dtype.
+    """
+
+    name: str
+    type: str
+    policy: Policy
+    sources: Mapping[str, Source | None]
+    keep_dtype: tuple[str | int, ...] = ()
+    boundary: bool = False
+    params: int = 0
+    param_bytes: int = 0
+    param_dtype_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def compute(self) -> torch.dtype | None:
+        return self.policy.compute
+
+    @property
+    def storage(self) -> torch.dtype | None:
+        return self.policy.storage
+
+    @property
+    def comm(self) -> torch.dtype | None:
+        return self.policy.comm
+
+    @property
+    def output(self) -> torch.dtype | None:
+        return self.policy.output
+
+    def source_summary(self) -> str:
+        """One word when every set field has the same source, else field:source pairs."""
+        set_sources = {f: s for f, s in self.sources.items() if s is not None}
+        distinct = set(set_sources.values())
+        if not distinct:
+            return "-"
+        if len(distinct) == 1:
+            return distinct.pop()
+        return " ".join(f"{f}:{s}" for f, s in set_sources.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "type": self.type,
+            "policy": str(self.policy),
+            "sources": dict(self.sources),
+            "keep_dtype": list(self.keep_dtype),
+            "boundary": self.boundary,
+            "params": self.params,
+            "param_bytes": self.param_bytes,
+            "param_dtype_bytes": dict(self.param_dtype_bytes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModulePlan:
+        return cls(
+            name=data["name"],
+            type=data["type"],
+            policy=Policy.parse(data["policy"]),
+            sources={f: data["sources"].get(f) for f in FIELDS},
+            keep_dtype=tuple(data.get("keep_dtype", ())),
+            boundary=bool(data.get("boundary", False)),
+            params=int(data.get("params", 0)),
+            param_bytes=int(data.get("param_bytes", 0)),
+            param_dtype_bytes=dict(data.get("param_dtype_bytes", {})),
+        )
+
+
+class PrecisionPlan(Mapping[str, ModulePlan]):
+    """The effective `Policy` of every module of one model, in module order.
+
+    `plan[name]` gives a `ModulePlan`: the policy and, per field, its source. A plan resolved
+    from a model remembers that model's modules by weak reference, so an adapter given only
+    the plan can find each parameter's planned dtypes. `to_json` / `from_json` round-trip;
+    a saved plan re-applies to a fresh instance of the same model.
+
+    See also: `resolve`, `apply`.
+    """
+
+    def __init__(
+        self,
+        entries: Mapping[str, ModulePlan],
+        *,
+        default: Policy | None = None,
+        model_type: str = "",
+        modules: Mapping[str, nn.Module] | None = None,
+    ) -> None:
+        self._entries: dict[str, ModulePlan] = dict(entries)
+        self.default = default
+        self.model_type = model_type
+        self._refs: dict[str, weakref.ref[nn.Module]] = {
+            name: weakref.ref(m) for name, m in (modules or {}).items()
+        }
+
+    # -- Mapping ------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> ModulePlan:
+        try:
+            return self._entries[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, list(self._entries), n=5, cutoff=0.4)
+            names = close or list(self._entries)[:8]
+            hint = f" {'Closest' if close else 'Names'}: {', '.join(repr(c) for c in names)}"
+            raise KeyError(f"No module named {name!r} in this plan.{hint}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PrecisionPlan):
+            return NotImplemented
+        return self._entries == other._entries and self.default == other.default
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def root(self) -> ModulePlan:
+        return self._entries[""]
+
+    @property
+    def boundaries(self) -> tuple[str, ...]:
+        """Names of the modules that cast at entry or exit or change autocast."""
+        return tuple(name for name, e in self._entries.items() if e.boundary)
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        """True when fp16 is used anywhere: every adapter then turns on dynamic loss scaling."""
+        return any(e.policy.uses(fp16) for e in self._entries.values())
+
+    @property
+    def param_bytes_by_dtype(self) -> dict[torch.dtype, int]:
+        """Bytes of parameters per planned storage dtype, over the whole model."""
+        from precision_annot.dtypes import to_dtype
+
+        out: dict[torch.dtype, int] = {}
+        for e in self._entries.values():
+            for name, n in e.param_dtype_bytes.items():
+                dtype = to_dtype(name)
+                out[dtype] = out.get(dtype, 0) + n
+        return out
+
+    @property
+    def low_precision_dtypes(self) -> set[torch.dtype]:
+        return {
+            v for e in self._entries.values() for _, v in e.policy.items() if v in LOW_PRECISION
+        }
+
+    def module(self, name: str) -> nn.Module | None:
+        """The module named `name`, if the plan was resolved from a model that is still alive."""
+        ref = self._refs.get(name)
+        return ref() if ref else None
+
+    @property
+    def has_model(self) -> bool:
+        return bool(self._refs) and all(r() is not None for r in self._refs.values())
+
+    def owner_of(self) -> dict[int, tuple[str, nn.Parameter]]:
+        """id(parameter) -> (owning module name, parameter), for a plan resolved from a model."""
+        if not self.has_model:
+            raise RuntimeError(
+                "This plan does not hold its model (it was loaded from JSON, or the model is "
+                "gone). Resolve it from the model, or pass the model to the adapter."
+            )
+        owners: dict[int, tuple[str, nn.Parameter]] = {}
+        for name in self._entries:
+            module = self.module(name)
+            assert module is not None
+            for p in module.parameters(recurse=False):
+                owners.setdefault(id(p), (name, p))
+        return owners
+
+    def param_policies(self) -> Iterator[tuple[str, nn.Parameter, ModulePlan]]:
+        """(qualified parameter name, parameter, owner's plan row) for every parameter once."""
+        seen: set[int] = set()
+        for name, entry in self._entries.items():
+            module = self.module(name)
+            if module is None:
+                raise RuntimeError(
+                    "This plan does not hold its model (loaded from JSON, or the model is gone)."
+                )
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{name}.{pname}" if name else pname), p, entry
+
+    # -- output -------------------------------------------------------------------------------
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The plan as JSON text; `PrecisionPlan.from_json` reads it back."""
+        return json.dumps(
+            {
+                "format": "precision_annot.plan",
+                "version": _JSON_VERSION,
+                "model_type": self.model_type,
+                "default": None if self.default is None else str(self.default),
+                "modules": [e.to_dict() for e in self._entries.values()],
+            },
+            indent=indent,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> PrecisionPlan:
+        """Read a plan written by `to_json`."""
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"PrecisionPlan.from_json: text is not JSON ({e}).") from e
+        if not isinstance(data, dict) or data.get("format") != "precision_annot.plan":
+            raise ValueError(
+                "PrecisionPlan.from_json expects the output of plan.to_json(): an object with "
+                f'"format": "precision_annot.plan". Received: {str(text)[:80]!r}'
+            )
+        if data.get("version") != _JSON_VERSION:
+            raise ValueError(
+                f"Unsupported plan version {data.get('version')!r}; this library reads "
+                f"version {_JSON_VERSION}."
+            )
+        entries = [ModulePlan.from_dict(d) for d in data["modules"]]
+        default = data.get("default")
+        return cls(
+            {e.name: e for e in entries},
+            default=None if default is None else Policy.parse(default),
+            model_type=data.get("model_type", ""),
+        )
+
+    def __str__(self) -> str:
+        header = ("module", "type", "compute", "storage", "comm", "output", "source", "params",
+                  "bytes")
+        rows: list[tuple[str, ...]] = [header]
+        for name, e in self._entries.items():
+            depth = name.count(".") + (1 if name else 0)
+            label = ("  " * depth) + (name.rsplit(".", 1)[-1] if name else "(root)")
+            if e.boundary:
+                label += " *"
+            rows.append((
+                label,
+                e.type.rsplit(".", 1)[-1],
+                *(dtype_name(v) for _, v in e.policy.items()),
+                e.source_summary(),
+                f"{e.params:,}",
+                _human_bytes(e.param_bytes),
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        right = {7, 8}
+        lines = [
+            "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+            for r in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        by_dtype = ", ".join(
+            f"{dtype_name(d)} {_human_bytes(n)}" for d, n in self.param_bytes_by_dtype.items()
+        )
+        lines.append("")
+        lines.append(
+            f"* boundary ({len(self.boundaries)}): casts inputs at entry and outputs at exit."
+        )
+        lines.append(f"parameters by storage dtype: {by_dtype or 'none'}")
+        if self.needs_loss_scaling:
+            lines.append("fp16 is used: adapters turn on dynamic loss scaling.")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"PrecisionPlan({self.model_type or 'model'}: {len(self)} modules, "
+                f"{len(self.boundaries)} boundaries)")
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

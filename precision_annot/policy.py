@@ -1,0 +1,199 @@
+"""`Policy`: the four dtypes one module runs with, and the string grammar that round-trips."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Literal, TypeAlias
+
+import torch
+
+from precision_annot.dtypes import bf16, dtype_name, fp16, fp32, fp64, to_dtype
+
+__all__ = ["FIELDS", "PRESETS", "Policy", "PresetName", "SpecLike", "as_policy"]
+
+FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output")
+
+PresetName: TypeAlias = Literal[
+    "64-true", "32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"
+]
+
+#: Short keys accepted by `Policy.parse`, after jmp's "p=f32,c=bf16" grammar.
+_KEY_ALIASES: dict[str, str] = {
+    "compute": "compute",
+    "c": "compute",
+    "storage": "storage",
+    "s": "storage",
+    "param": "storage",
+    "p": "storage",
+    "comm": "comm",
+    "reduce": "comm",
+    "r": "comm",
+    "output": "output",
+    "o": "output",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes one module runs with; each field left None is inherited or left alone.
+
+    A policy is declared per module (by class, instance, scope or rule) and resolved into
+    a `PrecisionPlan`, which `apply` or an adapter makes real.
+
+    Args:
+        compute: dtype the module's forward runs in. None inherits the parent's.
+            (Default: None)
+        storage: dtype the module's own parameters and floating buffers are kept in, and so
+            the dtype the optimizer updates. None inherits the parent's; where nothing sets
+            it, parameters keep the dtype they have. (Default: None)
+        comm: dtype the module's parameter gradients are reduced in across ranks. None
+            inherits; where nothing sets it, the backend's default. (Default: None)
+        output: dtype the module's outputs are handed back in. None hands them back in the
+            parent's compute dtype (see the runtime rules); unlike the other fields it is not
+            inherited by children. (Default: None)
+
+    Example:
+        >>> p = Policy.parse("compute=bf16,storage=fp32")
+        >>> p
+        Policy(compute=bf16, storage=fp32)
+        >>> Policy.parse(str(p)) == p
+        True
+    """
+
+    compute: torch.dtype | None = None
+    storage: torch.dtype | None = None
+    comm: torch.dtype | None = None
+    output: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for field in FIELDS:
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, to_dtype(value, field=field))
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """Parse "compute=bf16,storage=fp32", a bare dtype such as "fp32", or a preset.
+
+        A bare dtype sets compute, storage and comm. The presets are Lightning's precision
+        strings: "32-true", "16-true", "bf16-true", "64-true", and "16-mixed" and
+        "bf16-mixed", which keep storage and comm in fp32 and compute in the low dtype.
+        """
+        if not isinstance(text, str):
+            raise TypeError(
+                f"Policy.parse expects a str. Received: text={text!r} "
+                f"(of type {type(text).__name__})"
+            )
+        stripped = text.strip()
+        lowered = stripped.lower()
+        if lowered in ("", "inherit"):
+            return cls()
+        if lowered in PRESETS:
+            return PRESETS[lowered]
+        if "=" not in stripped:
+            if "," in stripped:
+                raise ValueError(
+                    f"Cannot parse policy {text!r}: use key=dtype pairs such as "
+                    f"'compute=bf16,storage=fp32'."
+                )
+            try:
+                dtype = to_dtype(stripped, field="spec")
+            except ValueError as e:
+                raise ValueError(
+                    f"Unknown policy {text!r}. Valid: a dtype name ({', '.join(_dtype_names())}), "
+                    f"a preset ({', '.join(repr(p) for p in PRESETS)}), or key=dtype pairs "
+                    f"with keys {', '.join(FIELDS)}."
+                ) from e
+            return cls(compute=dtype, storage=dtype, comm=dtype)
+        values: dict[str, torch.dtype] = {}
+        for part in stripped.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip().lower()
+            if not sep or not key or not value.strip():
+                raise ValueError(
+                    f"Cannot parse policy {text!r}: {part.strip()!r} is not key=dtype."
+                )
+            if key not in _KEY_ALIASES:
+                raise ValueError(
+                    f"Unknown policy key {key!r} in {text!r}. Valid keys: "
+                    f"{', '.join(repr(k) for k in _KEY_ALIASES)}"
+                )
+            field = _KEY_ALIASES[key]
+            if field in values:
+                raise ValueError(f"Policy key {field!r} is given twice in {text!r}.")
+            values[field] = to_dtype(value.strip(), field=field)
+        return cls(**values)
+
+    def __str__(self) -> str:
+        parts = [f"{f}={dtype_name(v)}" for f, v in self.items() if v is not None]
+        return ",".join(parts) if parts else "inherit"
+
+    def __repr__(self) -> str:
+        parts = [f"{f}={dtype_name(v)}" for f, v in self.items() if v is not None]
+        return f"Policy({', '.join(parts)})"
+
+    def items(self) -> Iterator[tuple[str, torch.dtype | None]]:
+        """(field, dtype) pairs in field order."""
+        for field in FIELDS:
+            yield field, getattr(self, field)
+
+    def merge(self, other: Policy) -> Policy:
+        """A copy where every field that `other` sets replaces this policy's."""
+        return Policy(**{f: v if v is not None else getattr(self, f) for f, v in other.items()})
+
+    def is_empty(self) -> bool:
+        """True when no field is set."""
+        return all(v is None for _, v in self.items())
+
+    def uses(self, dtype: torch.dtype) -> bool:
+        """True when any field is `dtype`."""
+        return any(v == dtype for _, v in self.items())
+
+
+def _dtype_names() -> list[str]:
+    return ["fp64", "fp32", "fp16", "bf16"]
+
+
+def _bare(dtype: torch.dtype) -> Policy:
+    return Policy(compute=dtype, storage=dtype, comm=dtype)
+
+
+PRESETS: dict[str, Policy] = {
+    "64-true": _bare(fp64),
+    "32-true": _bare(fp32),
+    "16-true": _bare(fp16),
+    "bf16-true": _bare(bf16),
+    "16-mixed": Policy(compute=fp16, storage=fp32, comm=fp32),
+    "bf16-mixed": Policy(compute=bf16, storage=fp32, comm=fp32),
+}
+
+SpecLike: TypeAlias = Policy | torch.dtype | str
+
+
+def as_policy(spec: object, *, argument: str = "spec") -> Policy:
+    """A `Policy` from a Policy, a dtype (compute, storage and comm), a dtype name or a preset."""
+    if isinstance(spec, Policy):
+        return spec
+    if isinstance(spec, torch.dtype):
+        return _bare(to_dtype(spec, field=argument))
+    if isinstance(spec, str):
+        return Policy.parse(spec)
+    raise TypeError(
+        f"{argument} must be a Policy, a torch.dtype, a dtype name or a preset string such "
+        f"as 'bf16-mixed'. Received: {argument}={spec!r} (of type {type(spec).__name__})"
+    )
+
+
+def policy_from(
+    spec: object, fields: dict[str, object], *, argument: str = "spec"
+) -> Policy:
+    """Combine a positional spec with keyword fields; the keywords win field by field."""
+    base = Policy() if spec is None else as_policy(spec, argument=argument)
+    unknown = [k for k in fields if k not in FIELDS]
+    if unknown:
+        raise TypeError(
+            f"Unknown policy field {unknown[0]!r}. Valid fields: {', '.join(FIELDS)}"
+        )
+    given = {k: to_dtype(v, field=k) for k, v in fields.items() if v is not None}
+    return base.merge(Policy(**given)) if given else base

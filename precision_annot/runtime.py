@@ -1,0 +1,423 @@
+"""`apply` and `remove`: make a plan real with storage casts and boundary forwards.
+
+Only boundary modules are touched at run time: each gets its `forward` replaced by a
+`Boundary`, which casts inputs at entry (one autograd node), runs the original forward
+under the right autocast state, and casts outputs at exit. Everything else runs untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from typing_extensions import ParamSpec
+
+from precision_annot.casting import cast_tree, first_floating
+from precision_annot.dtypes import dtype_name
+from precision_annot.plan import PrecisionPlan
+from precision_annot.policy import Policy, SpecLike
+from precision_annot.resolution import autocast_mode, resolve
+
+__all__ = ["Boundary", "apply", "forward_depth", "installed_boundaries", "remove", "wrap_function"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+M = TypeVar("M", bound=nn.Module)
+
+_STATE_ATTR = "_precision_annot_state"
+_local = threading.local()
+
+
+def forward_depth() -> int:
+    """How many applied boundary forwards are running in this thread."""
+    depth: int = getattr(_local, "depth", 0)
+    return depth
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundarySpec:
+    """What one boundary does; fixed at apply time so the hot path only reads it."""
+
+    name: str
+    compute: torch.dtype | None
+    exit_dtype: torch.dtype | None  # cast outputs to this at exit
+    exit_to_input: bool  # else cast outputs back to the first floating input's dtype
+    mode: str | None  # "autocast" (compute), "off" (autocast disabled) or None (unchanged)
+    keep: tuple[str | int, ...]
+    check: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _AppliedState:
+    fingerprint: tuple[str, bool]
+    originals: tuple[tuple[str, str, str, torch.dtype], ...]  # module, kind, name, dtype
+
+
+def _split_kept(
+    args: tuple[Any, ...], kwargs: dict[str, Any], keep: tuple[str | int, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, Any], dict[str, Any]]:
+    kept_args = {}
+    for k in keep:
+        if isinstance(k, int) and -len(args) <= k < len(args):
+            kept_args[k % len(args)] = args[k]
+    kept_kwargs = {k: kwargs[k] for k in keep if isinstance(k, str) and k in kwargs}
+    args = tuple(None if i in kept_args else a for i, a in enumerate(args))
+    kwargs = {k: (None if k in kept_kwargs else v) for k, v in kwargs.items()}
+    return args, kwargs, kept_args, kept_kwargs
+
+
+def _cast_inputs(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    keep: tuple[str | int, ...],
+    check: tuple[str, str] | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if not keep:
+        if not kwargs and len(args) == 1:
+            return (cast_tree(args[0], dtype, check=check),), kwargs
+        return cast_tree((args, kwargs), dtype, check=check)  # type: ignore[no-any-return]
+    args, kwargs, kept_args, kept_kwargs = _split_kept(args, kwargs, keep)
+    args, kwargs = cast_tree((args, kwargs), dtype, check=check)
+    args = tuple(kept_args.get(i, a) for i, a in enumerate(args))
+    kwargs.update(kept_kwargs)
+    return args, kwargs
+
+
+def _autocast(mode: str | None, device_type: str, dtype: torch.dtype | None) -> Any:
+    if mode == "autocast":
+        return torch.autocast(device_type, dtype=dtype, enabled=True)
+    if mode == "off":
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _profiling() -> bool:
+    return (
+        not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled
+    )
+
+
+class Boundary:
+    """The forward of one boundary module: cast in, set autocast, run, cast out.
+
+    It replaces the module's `forward` as an instance attribute, so it costs nothing
+    elsewhere, survives `copy.deepcopy` and pickling, and `remove` restores the original.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: BoundarySpec,
+        upcast: tuple[tuple[nn.Module, str], ...],
+        inner: Callable[..., Any] | None,
+    ) -> None:
+        self.module = module
+        self.spec = spec
+        self.upcast = upcast
+        self.inner = inner
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"Boundary({s.name or '(root)'!r}, compute={dtype_name(s.compute)}, "
+                f"mode={s.mode}, exit={dtype_name(s.exit_dtype)})")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self.spec
+        compiling = torch.compiler.is_compiling()
+        check_in = (spec.name, "entry") if spec.check and not compiling else None
+        first = first_floating(args[0]) if len(args) == 1 and not kwargs else (
+            first_floating((args, kwargs))
+        )
+        if spec.compute is not None:
+            if _profiling():
+                with torch.profiler.record_function(f"precision_annot::cast_inputs[{spec.name}]"):
+                    args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
+            else:
+                args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
+        device_type = first.device.type if first is not None else "cpu"
+        if not compiling:
+            _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            with _autocast(spec.mode, device_type, spec.compute):
+                out = self._run(args, kwargs)
+        finally:
+            if not compiling:
+                _local.depth -= 1
+        target = spec.exit_dtype
+        if target is None and spec.exit_to_input and first is not None:
+            target = first.dtype
+        if target is None:
+            return out
+        check_out = (spec.name, "exit") if spec.check and not compiling else None
+        if _profiling():
+            with torch.profiler.record_function(f"precision_annot::cast_outputs[{spec.name}]"):
+                return cast_tree(out, target, check=check_out)
+        return cast_tree(out, target, check=check_out)
+
+    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        forward = self.inner
+        if not self.upcast:
+            if forward is None:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return forward(*args, **kwargs)
+        compute = self.spec.compute
+        saved = []
+        for owner, pname in self.upcast:
+            p = owner._parameters[pname]
+            if p is not None and p.dtype != compute:
+                saved.append((owner, pname, p))
+                owner._parameters[pname] = p.to(compute)  # type: ignore[assignment]
+        try:
+            if forward is None:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return forward(*args, **kwargs)
+        finally:
+            for owner, pname, p in saved:
+                owner._parameters[pname] = p
+
+
+def wrap_function(
+    fn: Callable[P, R], policy: Policy, keep: tuple[str | int, ...]
+) -> Callable[P, R]:
+    """The function form of `precision`: cast in, disable autocast, run, cast back out."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        first = first_floating((args, kwargs))
+        if policy.compute is not None:
+            args, kwargs = _cast_inputs(args, kwargs, policy.compute, keep, None)
+        device_type = first.device.type if first is not None else "cpu"
+        with torch.autocast(device_type, enabled=False):
+            out = fn(*args, **kwargs)
+        target = policy.output or (first.dtype if first is not None else None)
+        return out if target is None else cast_tree(out, target)
+
+    wrapper.__precision_annot_policy__ = policy  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
+    missing = [n for n in plan if n not in named]
+    extra = [n for n in named if n not in plan]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"modules in the plan but not in the model: {missing[:8]}")
+        if extra:
+            parts.append(f"modules in the model but not in the plan: {extra[:8]}")
+        raise ValueError(
+            f"This plan was made for another model ({plan.model_type or 'unknown'}): "
+            + "; ".join(parts)
+        )
+    for name, module in named.items():
+        expected = plan[name].type
+        actual = f"{type(module).__module__}.{type(module).__qualname__}"
+        if expected != actual and expected.rsplit(".", 1)[-1] != type(module).__qualname__:
+            raise ValueError(
+                f"This plan was made for another model: module {name or '(root)'!r} is "
+                f"{actual} here but {expected} in the plan."
+            )
+
+
+def _cast_storage(
+    plan: PrecisionPlan, named: dict[str, nn.Module]
+) -> list[tuple[str, str, str, torch.dtype]]:
+    originals: list[tuple[str, str, str, torch.dtype]] = []
+    for name, module in named.items():
+        storage = plan[name].policy.storage
+        if storage is None:
+            continue
+        for pname, p in module._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != storage:
+                originals.append((name, "param", pname, p.dtype))
+                with torch.no_grad():
+                    p.data = p.data.to(storage)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(storage)
+        for bname, b in module._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != storage:
+                originals.append((name, "buffer", bname, b.dtype))
+                module._buffers[bname] = b.to(storage)
+    return originals
+
+
+def _boundary_specs(
+    plan: PrecisionPlan, named: dict[str, nn.Module], check: bool
+) -> dict[str, tuple[BoundarySpec, tuple[tuple[nn.Module, str], ...]]]:
+    region: dict[str, str | None] = {}
+    members: dict[str, list[str]] = {}
+    for name in named:
+        parent = name.rpartition(".")[0] if name else None
+        region[name] = name if plan[name].boundary else (
+            region[parent] if parent is not None else None
+        )
+        owner = region[name]
+        if owner is not None:
+            members.setdefault(owner, []).append(name)
+    out = {}
+    for name in plan.boundaries:
+        entry = plan[name]
+        policy = entry.policy
+        parent_policy = plan[name.rpartition(".")[0]].policy if name else None
+        if policy.output is not None:
+            exit_dtype, exit_to_input = policy.output, False
+        elif parent_policy is not None and parent_policy.compute is not None:
+            exit_dtype, exit_to_input = parent_policy.compute, False
+        else:
+            exit_dtype = None
+            exit_to_input = parent_policy is not None and policy.compute is not None
+        spec = BoundarySpec(
+            name=name,
+            compute=policy.compute,
+            exit_dtype=exit_dtype,
+            exit_to_input=exit_to_input,
+            mode=autocast_mode(policy),
+            keep=entry.keep_dtype,
+            check=check,
+        )
+        upcast: list[tuple[nn.Module, str]] = []
+        if spec.mode == "off" and policy.compute is not None:
+            for member in members.get(name, []):
+                storage = plan[member].policy.storage
+                for pname, p in named[member]._parameters.items():
+                    if p is None or not p.is_floating_point():
+                        continue
+                    if (storage or p.dtype) != policy.compute:
+                        upcast.append((named[member], pname))
+        out[name] = (spec, tuple(upcast))
+    return out
+
+
+def apply(
+    model: M,
+    plan: PrecisionPlan | None = None,
+    *,
+    default: SpecLike | None = None,
+    check_finite: bool = False,
+) -> M:
+    """Make a precision plan real on `model`, in place.
+
+    Parameters and floating buffers are cast to their module's storage dtype; each boundary
+    module's forward casts floating inputs to its compute dtype at entry (one autograd node),
+    runs under autocast (compute below storage), with autocast disabled (compute at or above
+    storage, parameters upcast as needed), and casts outputs at exit to `output`, else to the
+    parent's compute dtype. Non-boundary modules are not touched. `apply` is idempotent and
+    `remove` undoes it.
+
+    Args:
+        model: the module tree.
+        plan: a plan from `resolve` or `PrecisionPlan.from_json`; resolved from `model` when
+            None. (Default: None)
+        default: the root's defaults, used only when `plan` is None. (Default: None)
+        check_finite: raise `FloatingPointError` naming the module and the direction when a
+            non-finite value crosses a boundary; for debugging, it syncs. (Default: False)
+
+    Returns:
+        `model`.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from precision_annot import apply, precision, fp32
+        >>> model = nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4)))
+        >>> _ = apply(model, default="bf16")
+        >>> model(torch.randn(2, 4)).dtype
+        torch.bfloat16
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"apply expects an nn.Module. Received: model={model!r} "
+            f"(of type {type(model).__name__})"
+        )
+    if plan is None:
+        plan = resolve(model, default)
+    elif default is not None:
+        raise ValueError(
+            "apply got both plan= and default=; default is only used to resolve a plan. "
+            "Pass default to resolve(model, default=...) instead."
+        )
+    elif not isinstance(plan, PrecisionPlan):
+        raise TypeError(
+            "plan must be a PrecisionPlan from resolve() or PrecisionPlan.from_json(). "
+            f"Received: plan={plan!r} (of type {type(plan).__name__})"
+        )
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
+    named = dict(model.named_modules())
+    _check_matches(plan, named)
+    fingerprint = (plan.to_json(indent=None), check_finite)
+    state: _AppliedState | None = model.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        if state.fingerprint == fingerprint:
+            return model
+        remove(model)
+    _strip_boundaries(model)
+    originals = _cast_storage(plan, named)
+    for name, (spec, upcast) in _boundary_specs(plan, named, check_finite).items():
+        module = named[name]
+        module.__dict__["forward"] = Boundary(module, spec, upcast, module.__dict__.get("forward"))
+    object.__setattr__(model, _STATE_ATTR, _AppliedState(fingerprint, tuple(originals)))
+    return model
+
+
+def _strip_boundaries(model: nn.Module) -> int:
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, Boundary):
+            if forward.inner is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = forward.inner
+            count += 1
+    return count
+
+
+def installed_boundaries(model: nn.Module) -> list[str]:
+    """Names of the modules whose forward is a `Boundary` now."""
+    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), Boundary)]
+
+
+def remove(model: M) -> M:
+    """Undo `apply`: no boundary is left, and each parameter and buffer gets its old dtype back.
+
+    Example:
+        >>> from torch import nn
+        >>> from precision_annot import apply, remove
+        >>> model = remove(apply(nn.Linear(2, 2), default="bf16"))
+        >>> model.weight.dtype
+        torch.float32
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"remove expects an nn.Module. Received: model={model!r} "
+            f"(of type {type(model).__name__})"
+        )
+    _strip_boundaries(model)
+    state: _AppliedState | None = model.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return model
+    named = dict(model.named_modules())
+    for name, kind, tname, dtype in state.originals:
+        module = named.get(name)
+        if module is None:
+            continue
+        if kind == "param":
+            p = module._parameters.get(tname)
+            if p is not None:
+                with torch.no_grad():
+                    p.data = p.data.to(dtype)
+                    if p.grad is not None:
+                        p.grad = p.grad.to(dtype)
+        else:
+            b = module._buffers.get(tname)
+            if b is not None:
+                module._buffers[tname] = b.to(dtype)
+    return model
