@@ -188,6 +188,11 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         ref = self._refs.get(name)
         return ref() if ref else None
 
+    def modules(self) -> dict[str, nn.Module]:
+        """name -> module, for a plan resolved from a model that is still alive; else empty."""
+        out = {name: ref() for name, ref in self._refs.items()}
+        return {n: m for n, m in out.items() if m is not None} if self.has_model else {}
+
     @property
     def has_model(self) -> bool:
         return bool(self._refs) and all(r() is not None for r in self._refs.values())

@@ -11,6 +11,8 @@ Per field, the highest level that sets it wins:
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -19,7 +21,7 @@ from precision_annot.dtypes import LOW_PRECISION, dtype_name
 from precision_annot.plan import ModulePlan, PrecisionPlan, Source
 from precision_annot.policy import FIELDS, Policy, SpecLike, as_policy
 
-__all__ = ["autocast_mode", "resolve"]
+__all__ = ["autocast_mode", "replan", "resolve"]
 
 
 def autocast_mode(policy: Policy) -> str | None:
@@ -146,3 +148,28 @@ def _check_tied(
             f"(storage={dtype_name(storage)}). A shared parameter has one storage dtype: "
             "annotate both modules with the same storage."
         )
+
+
+def replan(plan: PrecisionPlan, policies: dict[str, Policy]) -> PrecisionPlan:
+    """A copy of `plan` with some modules' policies replaced and boundaries recomputed.
+
+    Adapters use it where a backend cannot express a plan exactly and they run a close one.
+    """
+    entries: dict[str, ModulePlan] = {}
+    for name, entry in plan.items():
+        policy = policies.get(name, entry.policy)
+        parent = entries[name.rpartition(".")[0]].policy if name else None
+        by_dtype = dict(entry.param_dtype_bytes)
+        if policy.storage is not None and policy.storage != entry.policy.storage and by_dtype:
+            size = torch.empty((), dtype=policy.storage).element_size()
+            by_dtype = {dtype_name(policy.storage): entry.params * size}
+        entries[name] = dataclasses.replace(
+            entry,
+            policy=policy,
+            boundary=is_boundary(policy, parent),
+            param_bytes=sum(by_dtype.values()),
+            param_dtype_bytes=by_dtype,
+        )
+    return PrecisionPlan(
+        entries, default=plan.default, model_type=plan.model_type, modules=plan.modules()
+    )

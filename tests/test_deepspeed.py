@@ -1,0 +1,232 @@
+"""DeepSpeed adapter: every mapping row and error, then real training on ZeRO 0-3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from precision_annot import Policy, bf16, fp16, fp32, precision, resolve
+from precision_annot.adapters import deepspeed as dsa
+from tests.ds_models import ScaledLinear
+from tests.helpers import free_port
+
+pytest.importorskip("deepspeed")
+from deepspeed.runtime.config import DeepSpeedConfig
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+
+
+def island() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4)), nn.Linear(4, 2))
+
+
+def export(model_or_plan: Any, base: Any = BASE) -> tuple[dict[str, Any], list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = dsa.to_config(model_or_plan, base)
+    DeepSpeedConfig(config)  # DeepSpeed's own validation
+    return config, [str(w.message) for w in caught]
+
+
+def test_uniform_bf16_storage_maps_to_bf16_section() -> None:
+    config, caught = export(resolve(nn.Sequential(nn.Linear(4, 4)), default="bf16"))
+    assert config["bf16"] == {"enabled": True}
+    assert "torch_autocast" not in config and "fp16" not in config and not caught
+
+
+def test_uniform_fp16_storage_maps_to_fp16_with_dynamic_loss_scaling() -> None:
+    config, _ = export(resolve(nn.Sequential(nn.Linear(4, 4)), default="fp16"))
+    assert config["fp16"] == {"enabled": True, "loss_scale": 0}
+
+
+def test_uniform_comm_under_bf16_maps_to_communication_data_type() -> None:
+    plan = resolve(nn.Linear(4, 4), default=Policy(compute=bf16, storage=bf16, comm=fp32))
+    config, _ = export(plan)
+    assert config["communication_data_type"] == "fp32" and config["bf16"]["enabled"]
+
+
+def test_mixed_precision_maps_to_torch_autocast_with_exact_classes() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), ScaledLinear(4, 4), precision(fp32)(nn.LayerNorm(4)))
+    config, caught = export(resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16)))
+    assert config["torch_autocast"] == {
+        "enabled": True, "dtype": "bfloat16",
+        # exact classes: the subclass is listed by itself; the LayerNorm reduces in fp32
+        "lower_precision_safe_modules": ["tests.ds_models.ScaledLinear",
+                                         "torch.nn.modules.linear.Linear"],
+    }
+    assert not caught
+
+
+def test_plan_not_expressible_by_class_uses_per_parameter_comm_dtype() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(nn.Linear(4, 4)))
+    plan = resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16))
+    config, _ = export(plan)
+    assert config["torch_autocast"]["lower_precision_safe_modules"] == []
+    dsa.prepare(model, plan)
+    assert [p.comm_dtype for p in model[0].parameters()] == [bf16, bf16]  # type: ignore[attr-defined]
+    assert [p.comm_dtype for p in model[1].parameters()] == [fp32, fp32]  # type: ignore[attr-defined]
+
+
+def test_mixed_storage_translates_to_fp32_storage_with_a_warning() -> None:
+    model = island()
+    plan = resolve(model, default="bf16")
+    config, caught = export(plan)
+    assert config["torch_autocast"]["dtype"] == "bfloat16"
+    assert len(caught) == 1 and "mixes storage dtypes (bf16, fp32)" in caught[0]
+    with pytest.warns(UserWarning, match="mixes storage"):
+        dsa.prepare(model, plan)
+    assert {p.dtype for p in model.parameters()} == {fp32}
+    with torch.autocast("cpu", dtype=bf16):
+        model(torch.randn(2, 4))  # the island still computes in fp32 inside autocast
+
+
+def test_fp32_plan_adds_no_precision_section() -> None:
+    config, _ = export(resolve(nn.Linear(4, 4), default="fp32"))
+    assert config == BASE
+
+
+def test_base_settings_win_and_base_is_not_modified(tmp_path: Path) -> None:
+    base = {**BASE, "bf16": {"enabled": True, "immediate_grad_update": True},
+            "gradient_clipping": 1.0}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(base))
+    plan = resolve(nn.Linear(4, 4), default="bf16")
+    for given in (base, str(path), path):
+        config, _ = export(plan, given)
+        assert config["bf16"] == {"enabled": True, "immediate_grad_update": True}
+        assert config["gradient_clipping"] == 1.0
+    assert "communication_data_type" not in base
+
+
+@pytest.mark.parametrize(
+    ("default", "base", "key"),
+    [("bf16", {"fp16": {"enabled": True}}, "fp16.enabled"),
+     ("bf16", {"bf16": {"enabled": False}}, "bf16.enabled"),
+     ("bf16-mixed", {"bf16": {"enabled": True}}, "bf16.enabled"),
+     ("bf16-mixed", {"torch_autocast": {"dtype": "float16"}}, "torch_autocast.dtype"),
+     ("bf16", {"torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
+     ("fp32", {"fp16": {"enabled": True}}, "fp16.enabled"),
+     (Policy(compute=bf16, storage=bf16, comm=fp32), {"communication_data_type": "fp16"},
+      "communication_data_type")],
+)
+def test_contradictions_name_the_keys(default: Any, base: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=f"contradicts the plan at {key}"):
+        dsa.to_config(resolve(nn.Linear(4, 4), default=default), {**BASE, **base})
+
+
+def test_user_class_list_that_contradicts_the_plan() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plan = resolve(model, default=Policy(compute=bf16, storage=fp32, comm=fp32))
+    linear = "torch.nn.modules.linear.Linear"
+    base = {**BASE, "torch_autocast": {"lower_precision_safe_modules": [linear]}}
+    with pytest.raises(ValueError, match="lower_precision_safe_modules"):
+        dsa.to_config(plan, base)
+
+
+def test_fp16_compute_over_fp32_storage_under_zero_1_3_is_refused() -> None:
+    plan = resolve(island(), default="fp16")
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=2.*does not update"):
+        dsa.to_config(plan, BASE)
+    config, _ = export(plan, {**BASE, "zero_optimization": {"stage": 0}})
+    assert config["torch_autocast"]["dtype"] == "float16"
+
+
+def test_both_low_compute_dtypes_over_fp32_are_refused() -> None:
+    model = nn.Sequential(precision(compute=fp16)(nn.Linear(4, 4)), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="both fp16 and bf16"):
+        dsa.to_config(resolve(model, default="bf16-mixed"), BASE)
+
+
+def test_bad_input(tmp_path: Path) -> None:
+    plan = resolve(nn.Linear(4, 4), default="bf16")
+    with pytest.raises(TypeError, match="base must be a dict"):
+        dsa.to_config(plan, 42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no file at"):
+        dsa.to_config(plan, str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        dsa.to_config(plan, bad)
+    with pytest.raises(ValueError, match=r"communication_data_type='fp8'"):
+        dsa.to_config(plan, {**BASE, "communication_data_type": "fp8"})
+    with pytest.raises(ValueError, match=r"torch_autocast.dtype='int8'"):
+        dsa.to_config(plan, {**BASE, "torch_autocast": {"dtype": "int8"}})
+    with pytest.raises(TypeError, match="nn.Module or a PrecisionPlan"):
+        dsa.to_config("model")  # type: ignore[arg-type]
+    other = resolve(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    with pytest.raises(ValueError, match=r"another model.*'1'"):
+        dsa.prepare(nn.Sequential(nn.Linear(4, 4)), other)
+    with pytest.raises(TypeError, match="prepare expects an nn.Module"):
+        dsa.prepare(plan)  # type: ignore[arg-type]
+
+
+# --- real DeepSpeed, CPU accelerator, gloo ------------------------------------------------------
+
+WORKER = Path(__file__).with_name("ds_worker.py")
+STAGES = [0, 1, 2, 3]
+LINEAR = 16 * 32 + 32 + 32 * 4 + 4
+NORM = 2 * 32
+
+
+def run(mode: str, stages: list[int], ranks: int, tmp_path: Path) -> dict[tuple[int, int], Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    args = [str(WORKER), mode, ",".join(map(str, stages)), str(tmp_path)]
+    if ranks == 1:
+        cmd = [sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", env["MASTER_PORT"], *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {(s, r): json.loads((tmp_path / f"{mode}-stage{s}-rank{r}.json").read_text())
+            for s in stages for r in range(ranks)}
+
+
+def check_training(result: dict[str, Any]) -> None:
+    assert result["seen"] == {"fc1": ["bf16"], "norm": ["fp32"], "fc2": ["bf16"], "rope": ["fp32"]}
+    assert result["island_storage"] == ["fp32", "fp32"]
+    assert result["inv_freq"] == "fp32"  # DeepSpeed issue 5812
+    before, after = result["island_before"], result["island_after"]
+    assert all(a != b for a, b in zip(before, after, strict=True))  # the optimizer updated it
+    assert result["losses"][-1] < result["losses"][0] * 0.85, result["losses"]
+    assert result["comm_dtype"]["norm.inner.weight"] == "fp32"
+    assert result["comm_dtype"]["fc1.inner.weight"] == "bf16"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fp32_island_trains_under_zero_0_to_3(ranks: int, tmp_path: Path) -> None:
+    results = run("train", STAGES, ranks, tmp_path)
+    for stage in STAGES:
+        for rank in range(ranks):
+            check_training(results[stage, rank])
+        if ranks == 2:
+            assert results[stage, 0]["params"] == results[stage, 1]["params"]
+            reduced = {(d, n) for op, d, n in results[stage, 0]["collectives"]
+                       if op in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor")}
+            if stage == 0:  # ZeRO 0 reduces in the parameter dtype (the adapter warns)
+                assert reduced == {("fp32", LINEAR + NORM)}
+            else:  # each parameter's planned dtype reaches the collective
+                assert reduced == {("bf16", LINEAR), ("fp32", NORM)}, results[stage, 0]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fp16_trains_with_dynamic_loss_scaling_and_skips_overflow(ranks: int,
+                                                                    tmp_path: Path) -> None:
+    results = run("fp16", [0], ranks, tmp_path)
+    for rank in range(ranks):
+        r = results[0, rank]
+        assert r["config"]["torch_autocast"]["dtype"] == "float16"
+        assert r["seen"]["fc1"] == ["fp16"] and r["seen"]["norm"] == ["fp32"]
+        assert r["skipped"] == [True]  # the overflow step changed no parameter
+        assert r["scale"] == 2.0**15  # dynamic: halved from 2**16 by the overflow
+        finite = [x for x in r["losses"] if x != float("inf")]
+        assert finite[-1] < finite[0] * 0.85
