@@ -251,7 +251,8 @@ def to_config(
             f"zero_optimization.stage={stage} deepspeed {_deepspeed_version()} does not update "
             "the parameters: measured on CPU, the loss of a 2-layer MLP stays at 1.0641 for 5 "
             "steps with plain DeepSpeed (no adapter), while bf16 and ZeRO stage 0 train. "
-            "Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 section) without fp32 islands."
+            "Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 section) "
+            "without fp32 islands."
         )
     for section in ("bf16", "fp16"):
         if config.get(section, {}).get("enabled"):
