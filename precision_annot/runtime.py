@@ -230,8 +230,10 @@ def _check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
         )
     for name, module in named.items():
         expected = plan[name].type
-        actual = f"{type(module).__module__}.{type(module).__qualname__}"
-        if expected != actual and expected.rsplit(".", 1)[-1] != type(module).__qualname__:
+        # a wrapper's dynamic subclass (FSDP2's FSDPLinear) still matches its planned class
+        lineage = {f"{c.__module__}.{c.__qualname__}" for c in type(module).__mro__}
+        if expected not in lineage:
+            actual = f"{type(module).__module__}.{type(module).__qualname__}"
             raise ValueError(
                 f"This plan was made for another model: module {name or '(root)'!r} is "
                 f"{actual} here but {expected} in the plan."
@@ -364,7 +366,7 @@ def apply(
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
     named = dict(model.named_modules())
     _check_matches(plan, named)
-    fingerprint = (plan.to_json(indent=None), check_finite)
+    fingerprint = (_semantics(plan), check_finite)
     state: _AppliedState | None = model.__dict__.get(_STATE_ATTR)
     if state is not None:
         if state.fingerprint == fingerprint:
@@ -377,6 +379,13 @@ def apply(
         module.__dict__["forward"] = Boundary(module, spec, upcast, module.__dict__.get("forward"))
     object.__setattr__(model, _STATE_ATTR, _AppliedState(fingerprint, tuple(originals)))
     return model
+
+
+def _semantics(plan: PrecisionPlan) -> str:
+    """What makes two plans apply the same way: policies, kept arguments and boundaries."""
+    return "|".join(
+        f"{n}:{e.policy}:{e.keep_dtype}:{e.boundary}" for n, e in plan.items()
+    )
 
 
 def _strip_boundaries(model: nn.Module) -> int:

@@ -1,0 +1,303 @@
+"""Lightning: a Trainer precision plugin and a Fabric precision plugin that run the plan.
+
+Lightning has one precision string for the whole model. These plugins take the plan from the
+annotations on the LightningModule (or an explicit `plan=`), apply it in `convert_module`, cast
+floating tensors in each batch to the root's compute dtype before the batch is moved to the
+device (Lightning issue 17727), run `training_step` under the root's autocast state, and use a
+`torch.amp.GradScaler` when fp16 is used anywhere (its state is saved in checkpoints).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from precision_annot.casting import cast_tree
+from precision_annot.plan import PrecisionPlan
+from precision_annot.policy import SpecLike, as_policy
+from precision_annot.resolution import autocast_mode, resolve
+from precision_annot.runtime import apply
+
+try:
+    from lightning.fabric.plugins.precision import Precision as _FabricPrecision
+    from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+    from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
+except ImportError as e:  # pragma: no cover - exercised only without lightning installed
+    raise ImportError(
+        "precision_annot.adapters.lightning needs Lightning: "
+        "pip install 'precision-annot[lightning]'"
+    ) from e
+
+__all__ = ["AnnotatedPrecision", "FabricAnnotatedPrecision"]
+
+
+class LossScaler(torch.amp.GradScaler):
+    """`torch.amp.GradScaler` that also unscales fp16 gradients (parameters stored in fp16).
+
+    GradScaler refuses fp16 gradients because unscaling them in fp16 can underflow; with fp16
+    storage there is no wider copy to unscale into, and skipping non-finite steps is still what
+    keeps fp16 training alive. FSDP's `ShardedGradScaler` takes the same path.
+    """
+
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+
+
+class _Annotated:
+    """What the Trainer and Fabric plugins share: the plan, the input cast, autocast, the scaler."""
+
+    precision: Any  # Lightning's precision string, derived from the plan's root
+
+    def __init__(
+        self,
+        plan: PrecisionPlan | None = None,
+        *,
+        default: SpecLike | None = None,
+        device: str | None = None,
+    ) -> None:
+        if plan is not None and not isinstance(plan, PrecisionPlan):
+            raise TypeError(
+                f"{type(self).__name__}(plan={plan!r}): plan must be a PrecisionPlan from "
+                "resolve(model), or None to resolve the model's annotations."
+            )
+        if plan is not None and default is not None:
+            raise ValueError(
+                f"{type(self).__name__}(plan=..., default={default!r}): default is only used to "
+                "resolve a plan; pass it to resolve() instead."
+            )
+        self._given_plan = plan
+        self._default = None if default is None else as_policy(default, argument="default")
+        self._device = device
+        self.plan: PrecisionPlan | None = plan
+        self.scaler: torch.amp.GradScaler | None = None
+        self.precision = "32-true"  # Lightning reads this string; set from the plan's root
+
+    def _convert(self, module: nn.Module) -> nn.Module:
+        plan = self._given_plan or resolve(module, self._default)
+        apply(module, plan)
+        self.plan = plan
+        if self._device is None:
+            param = next(module.parameters(), None)
+            self._device = param.device.type if param is not None else "cpu"
+        root = plan.root.policy
+        if plan.needs_loss_scaling and self.scaler is None:
+            self.scaler = LossScaler(device=self._device)
+        self.precision = _lightning_name(root.compute, root.storage)
+        return module
+
+    def _convert_input(self, data: Any) -> Any:
+        dtype = None if self.plan is None else self.plan.root.policy.compute
+        return data if dtype is None else cast_tree(data, dtype)
+
+    @contextlib.contextmanager
+    def _root_context(self) -> Generator[None, None, None]:
+        if self.plan is None:
+            yield
+            return
+        root = self.plan.root.policy
+        mode = autocast_mode(root)
+        device = self._device or "cpu"
+        if mode == "autocast":
+            with torch.autocast(device, dtype=root.compute):
+                yield
+        elif mode == "off":
+            with torch.autocast(device, enabled=False):
+                yield
+        else:
+            yield
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+def _lightning_name(compute: torch.dtype | None, storage: torch.dtype | None) -> str:
+    names = {torch.float16: "16", torch.bfloat16: "bf16", torch.float32: "32", torch.float64: "64"}
+    if compute is None:
+        return "32-true"
+    if storage is None or storage == compute:
+        return f"{names[compute]}-true"
+    return f"{names[compute]}-mixed"
+
+
+class AnnotatedPrecision(_Annotated, _TrainerPrecision):
+    """The Trainer precision plugin: `Trainer(plugins=[AnnotatedPrecision()])`.
+
+    Args:
+        plan: the plan to run; None resolves the LightningModule's annotations in
+            `convert_module`. (Default: None)
+        default: the root's defaults when resolving, e.g. "bf16-mixed". (Default: None)
+        device: the autocast and GradScaler device type; None takes the model's. (Default: None)
+
+    Example:
+        >>> trainer = Trainer(plugins=[AnnotatedPrecision(default="bf16-mixed")])  # doctest: +SKIP
+    """
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self._convert(module)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._convert_input(data)
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return self._root_context()
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager[None]:
+        # Storage differs per module, so no default dtype is set: modules are built in fp32 and
+        # each is cast to its own storage dtype in convert_module.
+        return contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def _register_comm_hook(self, module: Any) -> None:
+        """Reduce gradients in the plan's comm dtypes under DDPStrategy.
+
+        Lightning registers `DDPStrategy(ddp_comm_hook=...)` only on CUDA, so on CPU a hook
+        would be dropped silently. The plugin registers `ddp.comm_hook(plan)` itself, once,
+        before the first backward, unless the user gave a hook of their own.
+        """
+        self._hook_checked = True
+        from torch.nn.parallel import DistributedDataParallel
+
+        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        wrapped = getattr(strategy, "model", None)
+        if self.plan is None or not isinstance(wrapped, DistributedDataParallel):
+            return
+        if all(e.policy.comm is None for e in self.plan.values()):
+            return
+        if getattr(strategy, "_ddp_comm_hook", None) is not None:
+            if strategy.root_device.type != "cuda":  # type: ignore[union-attr]
+                warnings.warn(
+                    "DDPStrategy(ddp_comm_hook=...) is registered by Lightning only on CUDA; on "
+                    f"{strategy.root_device.type} it is not used and gradients reduce in the "  # type: ignore[union-attr]
+                    "parameter dtype. Drop the hook to let AnnotatedPrecision register the plan's.",
+                    UserWarning, stacklevel=2,
+                )
+            return
+        from precision_annot.adapters.ddp import comm_hook
+
+        wrapped.register_comm_hook(None, comm_hook(self.plan))
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if not getattr(self, "_hook_checked", False):
+            self._register_comm_hook(module)
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        out: torch.Tensor = super().pre_backward(tensor, module)
+        return out
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        # The same sequence as Lightning's MixedPrecision: unscale before clipping, and let the
+        # scaler skip the step when gradients are not finite.
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("AnnotatedPrecision with fp16 (a GradScaler) does not support LBFGS.")
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if not _optimizer_handles_unscaling(optimizer) and not skip_unscaling:
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skip_unscaling:
+            return closure_result
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_state_dict(state_dict)
+
+
+class FabricAnnotatedPrecision(_Annotated, _FabricPrecision):
+    """The Fabric precision plugin: `Fabric(plugins=[FabricAnnotatedPrecision()])`.
+
+    Fabric casts a module's inputs in its forward; this plugin casts them to the root's compute
+    dtype, applies the plan in `fabric.setup`, and scales the loss when fp16 is used.
+    """
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self._convert(module)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._convert_input(data)
+
+    @override
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        return self._root_context()
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any,
+                 **kwargs: Any) -> None:
+        # Fabric ignores what pre_backward returns; like its MixedPrecision, scale here.
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        super().backward(tensor, model, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise ValueError("FabricAnnotatedPrecision with fp16 does not support LBFGS.")
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        if self.scaler is not None:
+            if _optimizer_handles_unscaling(optimizer):
+                raise NotImplementedError(
+                    "Gradient clipping is not implemented for fused optimizers."
+                )
+            self.scaler.unscale_(optimizer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_state_dict(state_dict)
