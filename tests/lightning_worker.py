@@ -71,7 +71,7 @@ class Net(L.LightningModule):  # type: ignore[misc]
 
 
 def record_reductions() -> None:
-    for name in ("all_reduce", "reduce_scatter_single"):
+    for name in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor"):
         original = getattr(dist, name)
 
         def wrapped(*args: Any, _orig: Any = original, **kwargs: Any) -> Any:
@@ -93,6 +93,29 @@ def main() -> None:
 
         strategy: Any = DDPStrategy()  # the plugin registers ddp.comm_hook(plan) itself
         plugin = AnnotatedPrecision(default=POLICY)
+    elif strategy_name == "deepspeed":
+        from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+
+        class CPUDeepSpeedStrategy(DeepSpeedStrategy):  # type: ignore[misc]
+            """Only Lightning's CUDA-only check is bypassed; DeepSpeed itself runs on its CPU
+            accelerator with gloo, for real."""
+
+            def setup_environment(self) -> None:
+                DDPStrategy.setup_environment(self)
+
+            def setup_distributed(self) -> None:  # the same, less the CUDA device-index check
+                self.set_world_ranks()
+                self._init_deepspeed_distributed()
+
+            @property
+            def root_device(self) -> torch.device:  # DeepSpeed wants an index: cpu:<rank>
+                return torch.device("cpu", self.local_rank)
+
+        strategy = CPUDeepSpeedStrategy(config={"zero_optimization": {"stage": 2},
+                                             "train_micro_batch_size_per_gpu": 32,
+                                             "zero_allow_untested_optimizer": True},
+                                     process_group_backend="gloo")
+        plugin = AnnotatedPrecision(default="bf16")  # bf16 layers, fp32 island (seeds/001)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -118,6 +141,8 @@ def main() -> None:
         "storage": {n: dtype_name(p.dtype) for n, p in model.named_parameters()},
         "reduced": sorted(set(REDUCED)),
         "params": params,
+        "config": {k: v for k, v in trainer.strategy.config.items() if k in
+                   ("bf16", "fp16", "torch_autocast")} if strategy_name == "deepspeed" else {},
     }))
 
 

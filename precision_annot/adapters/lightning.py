@@ -133,8 +133,23 @@ def _lightning_name(compute: torch.dtype | None, storage: torch.dtype | None) ->
     return f"{names[compute]}-mixed"
 
 
+def _deepspeed_strategy(module: Any) -> Any:
+    """The Trainer's DeepSpeedStrategy, if `module` is attached to one."""
+    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    if strategy is None:
+        return None
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    return strategy if isinstance(strategy, DeepSpeedStrategy) else None
+
+
 class AnnotatedPrecision(_Annotated, _TrainerPrecision):
     """The Trainer precision plugin: `Trainer(plugins=[AnnotatedPrecision()])`.
+
+    With `DeepSpeedStrategy(config=base)` the plugin fills the strategy's config from
+    `precision_annot.adapters.deepspeed.to_config(plan, base)` (a contradiction raises), runs
+    `deepspeed.prepare`, and leaves backward, loss scaling and the step to the DeepSpeed engine.
+    With `DDPStrategy` it registers `ddp.comm_hook(plan)`.
 
     Args:
         plan: the plan to run; None resolves the LightningModule's annotations in
@@ -146,9 +161,42 @@ class AnnotatedPrecision(_Annotated, _TrainerPrecision):
         >>> trainer = Trainer(plugins=[AnnotatedPrecision(default="bf16-mixed")])  # doctest: +SKIP
     """
 
+    _deepspeed: bool = False
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return self._convert(module)
+        strategy = _deepspeed_strategy(module)
+        if strategy is None:
+            return self._convert(module)
+        from precision_annot.adapters import deepspeed as ds_adapter
+
+        plan = self._given_plan or resolve(module, self._default)
+        config = ds_adapter.to_config(plan, strategy.config)
+        strategy.config.clear()
+        strategy.config.update(config)
+        ds_adapter.prepare(module, plan)
+        self.plan, self._deepspeed = plan, True
+        param = next(module.parameters(), None)
+        self._device = self._device or (param.device.type if param is not None else "cpu")
+        return module  # precision stays "32-true": the config already holds the sections
+
+    @override
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        if self._deepspeed:
+            model.trainer.model.backward(tensor, *args, **kwargs)
+            return
+        super().backward(tensor, model, optimizer, *args, **kwargs)
+
+    @override
+    def clip_gradients(self, optimizer: Any, clip_val: Any = 0.0,
+                       gradient_clip_algorithm: Any = None) -> None:
+        if self._deepspeed:
+            return  # DeepSpeed clips with the config's gradient_clipping
+        if gradient_clip_algorithm is None:
+            super().clip_gradients(optimizer, clip_val)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -216,6 +264,13 @@ class AnnotatedPrecision(_Annotated, _TrainerPrecision):
     ) -> Any:
         # The same sequence as Lightning's MixedPrecision: unscale before clipping, and let the
         # scaler skip the step when gradients are not finite.
+        if self._deepspeed:
+            closure_result = closure()
+            self._after_closure(model, optimizer)
+            if closure_result is None and model.automatic_optimization:
+                raise ValueError("Skipping backward by returning None from training_step is not "
+                                 "supported by DeepSpeed.")
+            return model.trainer.model.step(**kwargs)
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
