@@ -165,7 +165,10 @@ def precision(
     Args:
         spec: a `Policy`, a dtype (compute, storage and comm), a dtype name, a preset such
             as "bf16-mixed", or "compute=bf16,storage=fp32". (Default: None)
-        compute, storage, comm, output: single fields; they override `spec`. (Default: None)
+        compute: the compute field; overrides `spec`. (Default: None)
+        storage: the storage field; overrides `spec`. (Default: None)
+        comm: the comm field; overrides `spec`. (Default: None)
+        output: the output field; overrides `spec`. (Default: None)
         keep_dtype: keyword names or positional indexes of arguments never cast at this
             boundary, such as an fp32 rotary table. (Default: ())
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,7 +52,10 @@ def load_target(target: str) -> nn.Module:
     fn = getattr(module, attr, None)
     if fn is None:
         raise CLIError(f"{module_part!r} has no attribute {attr!r}.")
-    model = fn() if callable(fn) and not isinstance(fn, nn.Module) else fn
+    try:
+        model = fn() if callable(fn) and not isinstance(fn, nn.Module) else fn
+    except Exception as e:
+        raise CLIError(f"Calling {target} failed: {type(e).__name__}: {e}") from e
     if not isinstance(model, nn.Module):
         raise CLIError(
             f"{target} must return an nn.Module. Received: {type(model).__name__}"
@@ -72,10 +77,30 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from precision_annot.adapters import deepspeed as ds_adapter
+
+    plan = _plan(args)
+    try:
+        config = ds_adapter.to_config(plan, args.base)
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    text = json.dumps(config, indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        Path(args.output).write_text(text)
+    except OSError as e:
+        raise CLIError(f"Cannot write {args.output!r}: {e.strerror or e}") from e
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from precision_annot.demo import run_demo
 
-    return run_demo(fast=args.fast)
+    return run_demo(fast=args.fast, out=args.out)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,8 +114,17 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="machine-readable output")
     report.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
     report.set_defaults(func=_cmd_report)
+    export = sub.add_parser("export", help="export a backend config for a model's plan")
+    backends = export.add_subparsers(dest="backend", required=True)
+    ds = backends.add_parser("deepspeed", help="a DeepSpeed config (JSON)")
+    ds.add_argument("target", help="package.module:callable or path/to/file.py:callable")
+    ds.add_argument("--base", metavar="CFG.json", help="your config; its settings win")
+    ds.add_argument("-o", "--output", metavar="OUT.json", help="write here instead of stdout")
+    ds.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
+    ds.set_defaults(func=_cmd_export)
     demo = sub.add_parser("demo", help="annotate, plan and train a small transformer")
     demo.add_argument("--fast", action="store_true", help="fewer steps")
+    demo.add_argument("--out", default="demo-output", help="where to write the DeepSpeed config")
     demo.set_defaults(func=_cmd_demo)
     return parser
 
@@ -98,8 +132,18 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except CLIError as e:
-        print(f"precision-annot: error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        try:
+            status = int(args.func(args))
+        except CLIError as e:
+            status = 2
+            error = str(e)
+        else:
+            error = ""
+    for w in caught:
+        if issubclass(w.category, UserWarning) and "precision_annot" in w.filename:
+            print(f"precision-annot: warning: {w.message}", file=sys.stderr)
+    if error:
+        print(f"precision-annot: error: {error}", file=sys.stderr)
+    return status

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -17,7 +16,7 @@ from torch import nn
 from precision_annot import Policy, bf16, fp16, fp32, precision, resolve
 from precision_annot.adapters import deepspeed as dsa
 from tests.ds_models import ScaledLinear
-from tests.helpers import free_port
+from tests.helpers import free_port, run_processes
 
 pytest.importorskip("deepspeed")
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -185,7 +184,7 @@ def run(mode: str, stages: list[int], ranks: int, tmp_path: Path) -> dict[tuple[
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
                "--master_port", env["MASTER_PORT"], *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, env=env)
+    proc = run_processes(cmd, timeout=540, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {(s, r): json.loads((tmp_path / f"{mode}-stage{s}-rank{r}.json").read_text())
             for s in stages for r in range(ranks)}

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, run_processes
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 BF16_ELEMENTS = 16 * 32 + 32 + 32 * 4 + 4  # fc1 and fc2
@@ -22,7 +21,7 @@ def run_ranks(mode: str, tmp_path: Path) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), str(WORKER), mode, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = run_processes(cmd, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 

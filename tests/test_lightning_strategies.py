@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import free_port, run_processes
 
 pytest.importorskip("lightning")
 WORKER = Path(__file__).with_name("lightning_worker.py")
@@ -19,8 +18,8 @@ WORKER = Path(__file__).with_name("lightning_worker.py")
 
 def run(strategy: str, tmp_path: Path) -> list[dict[str, Any]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, str(WORKER), strategy, str(tmp_path)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = run_processes([sys.executable, str(WORKER), strategy, str(tmp_path)], cwd=tmp_path,
+                         timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads((tmp_path / f"{strategy}-rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -1,0 +1,78 @@
+"""The precision-annot command: report, export deepspeed, demo, and its errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from precision_annot import PrecisionPlan
+from precision_annot.cli import main
+
+TARGET = "precision_annot._demo:build_model"
+
+
+def test_report_prints_the_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", TARGET]) == 0
+    out = capsys.readouterr().out
+    assert "TinyTransformer" in out and "boundary (7)" in out and "norm1 *" in out
+
+
+def test_report_json_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", TARGET, "--json"]) == 0
+    plan = PrecisionPlan.from_json(capsys.readouterr().out)
+    assert plan["head"].policy.output is not None and len(plan.boundaries) == 7
+
+
+def test_report_default_and_file_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "model.py"
+    script.write_text("from torch import nn\n\ndef make():\n    return nn.Linear(2, 2)\n")
+    assert main(["report", f"{script}:make", "--default", "bf16-mixed", "--json"]) == 0
+    plan = PrecisionPlan.from_json(capsys.readouterr().out)
+    assert str(plan[""].policy) == "compute=bf16,storage=fp32,comm=fp32"
+
+
+def test_export_deepspeed_to_a_file(tmp_path: Path) -> None:
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4}))
+    out = tmp_path / "ds.json"
+    assert main(["export", "deepspeed", TARGET, "--base", str(base), "-o", str(out)]) == 0
+    config = json.loads(out.read_text())
+    assert config["train_micro_batch_size_per_gpu"] == 4
+    assert config["torch_autocast"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["report", "no_such_module_xyz:make"], "Cannot import 'no_such_module_xyz'"),
+     (["report", "precision_annot.dtypes:dtype_name"], "Calling precision_annot.dtypes"),
+     (["report", "precision_annot.dtypes:fp32"], "must return an nn.Module"),
+     (["report", "precision_annot._demo"], "TARGET must be"),
+     (["report", TARGET, "--default", "fp9"], "'fp9'"),
+     (["export", "deepspeed", TARGET, "-o", "/nonexistent-dir/x/ds.json"], "Cannot write"),
+     (["export", "deepspeed", TARGET, "--base", "/nonexistent.json"], "no file at")],
+)
+def test_errors_are_one_line_without_traceback(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.splitlines()[-1].startswith("precision-annot: error:")
+
+
+def test_module_entry_point_and_demo(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "precision_annot", "demo", "--fast", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for marker in ("1. A small transformer", "2. The plan", "3. Training under the plan",
+                   "4. The same model in plain fp32", "final loss", "5. The same plan as a "
+                   "DeepSpeed config"):
+        assert marker in out
+    losses = next(line for line in out.splitlines() if "final loss" in line).split()
+    annotated, fp32 = float(losses[2]), float(losses[3])
+    assert annotated < 2.0 and fp32 < 2.0  # both learned (from ln(64) = 4.16)
+    assert json.loads((tmp_path / "deepspeed_config.json").read_text())["torch_autocast"]
