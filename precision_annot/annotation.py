@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
-from precision_annot.dtypes import to_dtype
 from precision_annot.policy import Policy, SpecLike, as_policy, policy_from
 
 __all__ = ["Selector", "annotate", "precision", "precision_scope"]
@@ -195,10 +194,6 @@ def precision(
     policy = policy_from(
         spec, {"compute": compute, "storage": storage, "comm": comm, "output": output}
     )
-    for field in ("compute", "storage"):
-        value = getattr(policy, field)
-        if value is not None:
-            to_dtype(value, field=field)
     return _Annotator(policy, _keep_dtype(keep_dtype))
 
 

@@ -110,6 +110,20 @@ def _autocast(
     return torch.autocast(device_type, enabled=False)
 
 
+def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> str:
+    """The device of the first tensor argument (token ids count), else of the module's weights.
+
+    Autocast is per device type: a GPU model whose root takes integer tokens must still get
+    CUDA autocast, not CPU autocast.
+    """
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
 def _profiling() -> bool:
     return (
         not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled
@@ -153,7 +167,9 @@ class Boundary:
                     args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
             else:
                 args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
-        device_type = first.device.type if first is not None else "cpu"
+        device_type = first.device.type if first is not None else _device_type(
+            args, kwargs, self.module
+        )
         if not compiling:
             _local.depth = getattr(_local, "depth", 0) + 1
         try:

@@ -429,3 +429,13 @@ def test_applied_model_survives_deepcopy() -> None:
     clone = copy.deepcopy(model)
     clone(torch.randn(2, 8))
     assert clone[1].seen == [fp32] and model[1].seen == []
+
+
+def test_autocast_device_comes_from_integer_inputs_and_weights() -> None:
+    from precision_annot.runtime import _device_type
+
+    tokens = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    assert _device_type((tokens,), {}, nn.Linear(2, 2)) == "meta"
+    assert _device_type((), {"ids": tokens}, nn.Linear(2, 2)) == "meta"
+    assert _device_type((3,), {}, nn.Linear(2, 2, device="meta")) == "meta"
+    assert _device_type((3,), {}, nn.ReLU()) == "cpu"
