@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,29 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from precision_annot import Policy, apply, fp32, precision, resolve
 from precision_annot.adapters import ddp, fsdp
 from precision_annot.dtypes import dtype_name
+from tests.collectives import record
 
 RECORDED: list[tuple[str, str, int]] = []
 
 
 def record_collectives() -> None:
-    """Wrap the torch.distributed collectives DDP hooks and FSDP call, recording dtypes."""
-    names = ["all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
-             "all_gather_into_tensor", "all_gather_single"]
-    for name in names:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def wrapped(*args: Any, _orig: Callable[..., Any] = original, _name: str = name,
-                    **kwargs: Any) -> Any:
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            # the input of a reduce-scatter is its largest tensor argument
-            t = max(tensors, key=lambda x: x.numel()) if tensors else None
-            if t is not None:
-                RECORDED.append((_name, dtype_name(t.dtype), t.numel()))
-            return _orig(*args, **kwargs)
-
-        setattr(dist, name, wrapped)
+    record((dist,), RECORDED)
 
 
 class Rec(nn.Module):

@@ -23,33 +23,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from precision_annot import fp32, precision, resolve
 from precision_annot.adapters import deepspeed as ds_adapter
 from precision_annot.dtypes import dtype_name
+from tests.collectives import record
 
 RECORDED: list[tuple[str, str, int]] = []
 
 
 def record_collectives() -> None:
-    """Wrap the collectives in both namespaces DeepSpeed calls them through, recording dtypes."""
     import torch.distributed.distributed_c10d as c10d
 
-    names = ["all_reduce", "reduce", "reduce_scatter_tensor", "all_gather_into_tensor",
-             "reduce_scatter", "all_to_all_single", "reduce_scatter_single", "all_gather_single"]
-    for namespace, name in [(ns, n) for ns in (dist, c10d) for n in names]:
-        original = getattr(namespace, name, None)
-        if original is None or getattr(original, "_recording", False):
-            continue
-
-        def wrapped(*args: Any, _orig: Any = original, _name: str = name, **kwargs: Any) -> Any:
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, list):
-                    tensors += [t for t in a if isinstance(t, torch.Tensor)]
-            if tensors:
-                t = max(tensors, key=lambda x: x.numel())
-                RECORDED.append((_name, dtype_name(t.dtype), t.numel()))
-            return _orig(*args, **kwargs)
-
-        wrapped._recording = True  # type: ignore[attr-defined]
-        setattr(namespace, name, wrapped)
+    record((dist, c10d), RECORDED)  # DeepSpeed's ZeRO-3 calls through c10d directly
 
 
 class Rec(nn.Module):

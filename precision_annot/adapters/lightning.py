@@ -95,9 +95,30 @@ class _Annotated:
         self.precision = _lightning_name(root.compute, root.storage)
         return module
 
-    def _convert_input(self, data: Any) -> Any:
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating tensors in the batch to the root's compute dtype (before the transfer)."""
         dtype = None if self.plan is None else self.plan.root.policy.compute
         return data if dtype is None else cast_tree(data, dtype)
+
+    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+        """The root's autocast state, so code that calls submodules directly runs as the root."""
+        return self._root_context()
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager[None]:
+        # Storage differs per module, so no default dtype is set: modules are built in fp32 and
+        # each is cast to its own storage dtype in convert_module.
+        return contextlib.nullcontext()
+
+    def module_init_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The GradScaler's state, saved in checkpoints; empty without fp16."""
+        return {} if self.scaler is None else self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
 
     @contextlib.contextmanager
     def _root_context(self) -> Generator[None, None, None]:
@@ -115,13 +136,6 @@ class _Annotated:
                 yield
         else:
             yield
-
-    def _state_dict(self) -> dict[str, Any]:
-        return {} if self.scaler is None else self.scaler.state_dict()
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
 
 
 def _lightning_name(compute: torch.dtype | None, storage: torch.dtype | None) -> str:
@@ -198,24 +212,6 @@ class AnnotatedPrecision(_Annotated, _TrainerPrecision):
         else:
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self._convert_input(data)
-
-    @override
-    def forward_context(self) -> contextlib.AbstractContextManager[None]:
-        return self._root_context()
-
-    @override
-    def tensor_init_context(self) -> contextlib.AbstractContextManager[None]:
-        # Storage differs per module, so no default dtype is set: modules are built in fp32 and
-        # each is cast to its own storage dtype in convert_module.
-        return contextlib.nullcontext()
-
-    @override
-    def module_init_context(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
     def _register_comm_hook(self, module: Any) -> None:
         """Reduce gradients in the plan's comm dtypes under DDPStrategy.
 
@@ -286,14 +282,6 @@ class AnnotatedPrecision(_Annotated, _TrainerPrecision):
         self.scaler.update()
         return step_output
 
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self._state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._load_state_dict(state_dict)
-
 
 class FabricAnnotatedPrecision(_Annotated, _FabricPrecision):
     """The Fabric precision plugin: `Fabric(plugins=[FabricAnnotatedPrecision()])`.
@@ -305,22 +293,6 @@ class FabricAnnotatedPrecision(_Annotated, _FabricPrecision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         return self._convert(module)
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return self._convert_input(data)
-
-    @override
-    def forward_context(self) -> contextlib.AbstractContextManager[None]:
-        return self._root_context()
-
-    @override
-    def tensor_init_context(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    @override
-    def module_init_context(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
 
     @override
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any,
@@ -348,11 +320,3 @@ class FabricAnnotatedPrecision(_Annotated, _FabricPrecision):
                     "Gradient clipping is not implemented for fused optimizers."
                 )
             self.scaler.unscale_(optimizer)
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self._state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._load_state_dict(state_dict)
