@@ -23,6 +23,7 @@ from precision_annot import Policy, apply, fp32, precision, resolve
 from precision_annot.adapters import ddp, fsdp
 from precision_annot.dtypes import dtype_name
 from tests.collectives import record
+from tests.helpers import Recorder
 
 RECORDED: list[tuple[str, str, int]] = []
 
@@ -31,24 +32,12 @@ def record_collectives() -> None:
     record((dist,), RECORDED)
 
 
-class Rec(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.seen: list[str] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(dtype_name(x.dtype))
-        out: torch.Tensor = self.inner(x)
-        return out
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.fc1 = Rec(nn.Linear(16, 32))
-        self.norm = precision(fp32)(Rec(nn.LayerNorm(32)))
-        self.fc2 = Rec(nn.Linear(32, 4))
+        self.fc1 = Recorder(nn.Linear(16, 32))
+        self.norm = precision(fp32)(Recorder(nn.LayerNorm(32)))
+        self.fc2 = Recorder(nn.Linear(32, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.fc2(torch.relu(self.norm(self.fc1(x))))
@@ -151,7 +140,8 @@ def main() -> None:
         losses.append(loss.item())
     result["losses"] = losses
     result["out_dtype"] = dtype_name(out.dtype)
-    result["seen"] = {"fc1": net.fc1.seen[:1], "norm": net.norm.seen[:1], "fc2": net.fc2.seen[:1]}
+    result["seen"] = {n: [dtype_name(d) for d in getattr(net, n).seen[:1]]
+                      for n in ("fc1", "norm", "fc2")}
     result["collectives"] = RECORDED
     result["params"] = full_params(model, mode)
     result["reference"] = reference(world)

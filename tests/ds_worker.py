@@ -24,6 +24,7 @@ from precision_annot import fp32, precision, resolve
 from precision_annot.adapters import deepspeed as ds_adapter
 from precision_annot.dtypes import dtype_name
 from tests.collectives import record
+from tests.helpers import Recorder
 
 RECORDED: list[tuple[str, str, int]] = []
 
@@ -32,18 +33,6 @@ def record_collectives() -> None:
     import torch.distributed.distributed_c10d as c10d
 
     record((dist, c10d), RECORDED)  # DeepSpeed's ZeRO-3 calls through c10d directly
-
-
-class Rec(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.seen: list[str] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(dtype_name(x.dtype))
-        out: torch.Tensor = self.inner(x)
-        return out
 
 
 class Rotary(nn.Module):
@@ -65,10 +54,10 @@ class Net(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.fc1 = Rec(nn.Linear(16, 32))
+        self.fc1 = Recorder(nn.Linear(16, 32))
         self.rope = precision(fp32)(Rotary(32))
-        self.norm = precision(fp32)(Rec(nn.LayerNorm(32)))
-        self.fc2 = Rec(nn.Linear(32, 4))
+        self.norm = precision(fp32)(Recorder(nn.LayerNorm(32)))
+        self.fc2 = Recorder(nn.Linear(32, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.fc2(torch.relu(self.norm(self.rope(self.fc1(x)))))
@@ -130,8 +119,8 @@ def run_stage(mode: str, stage: int, rank: int) -> dict[str, Any]:
         "losses": losses,
         "skipped": skipped,
         "scale": None if scaler is None else float(scaler.get_scale()),
-        "seen": {"fc1": net.fc1.seen[:1], "norm": net.norm.seen[:1], "fc2": net.fc2.seen[:1],
-                 "rope": net.rope.seen[:1]},
+        "seen": {**{n: [dtype_name(d) for d in getattr(net, n).seen[:1]]
+                    for n in ("fc1", "norm", "fc2")}, "rope": net.rope.seen[:1]},
         "island_before": before,
         "island_after": gathered(engine, island, stage),
         "params": gathered(engine, list(net.parameters()), stage),
