@@ -347,7 +347,8 @@ def apply(
             None. (Default: None)
         default: the root's defaults, used only when `plan` is None. (Default: None)
         check_finite: raise `FloatingPointError` naming the module and the direction when a
-            non-finite value crosses a boundary; for debugging, it syncs. (Default: False)
+            non-finite value crosses a boundary; for debugging: it syncs, and it is skipped
+            inside `torch.compile`. (Default: False)
 
     Returns:
         `model`.
