@@ -1,4 +1,4 @@
-"""The public surface: __all__ as DESIGN.md fixes it, and adapters that import their backend lazily."""
+"""The public surface as DESIGN.md fixes it, and adapters that import their backend lazily."""
 
 from __future__ import annotations
 
