@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from precision_annot import Policy, fp32, precision, resolve
 from precision_annot.adapters import fsdp
-from precision_annot.adapters.lightning import AnnotatedPrecision
+from precision_annot.adapters.lightning import AnnotatedFSDPPrecision, AnnotatedPrecision
 from precision_annot.dtypes import dtype_name
 
 POLICY = Policy(compute=torch.bfloat16, storage=fp32, comm=torch.bfloat16)
@@ -116,6 +116,23 @@ def main() -> None:
                                              "zero_allow_untested_optimizer": True},
                                      process_group_backend="gloo")
         plugin = AnnotatedPrecision(default="bf16")  # bf16 layers, fp32 island (seeds/001)
+    elif strategy_name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        class CPUFSDPStrategy(FSDPStrategy):  # type: ignore[misc]
+            """Only Lightning's device choice is bypassed: it passes device_id=None on CPU, which
+            FSDP1 refuses; here device_id=cpu. FSDP1 itself runs for real with gloo."""
+
+            def _setup_model(self, model: nn.Module) -> nn.Module:
+                return FullyShardedDataParallel(
+                    module=model, cpu_offload=self.cpu_offload,
+                    mixed_precision=self.mixed_precision_config,
+                    sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                    **self.kwargs)
+
+        strategy = CPUFSDPStrategy(process_group_backend="gloo")
+        plugin = AnnotatedFSDPPrecision(default=POLICY)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -130,15 +147,24 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)
     params = {}
-    for n, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[n] = t.detach().double().flatten().tolist()
+    if strategy_name == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+            for n, p in model.named_parameters():
+                clean = n.replace("_fsdp_wrapped_module.", "")
+                params[clean] = p.detach().double().flatten().tolist()
+    else:
+        for n, p in model.named_parameters():
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            params[n] = t.detach().double().flatten().tolist()
     rank = trainer.global_rank
     (outdir / f"{strategy_name}-rank{rank}.json").write_text(json.dumps({
         "losses": model.losses,
         "batch": model.batch_dtypes[:1],
         "seen": {n: getattr(model, n).seen for n in ("fc1", "norm", "fc2")},
-        "storage": {n: dtype_name(p.dtype) for n, p in model.named_parameters()},
+        "storage": {n.replace("_fsdp_wrapped_module.", ""): dtype_name(p.dtype)
+                    for n, p in model.named_parameters()},
         "reduced": sorted(set(REDUCED)),
         "params": params,
         "config": {k: v for k, v in trainer.strategy.config.items() if k in

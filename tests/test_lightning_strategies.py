@@ -52,3 +52,10 @@ def test_deepspeed_strategy_with_lightnings_cuda_only_check_bypassed(tmp_path: P
     assert ranks[0]["config"] == {"torch_autocast": {
         "enabled": True, "dtype": "bfloat16",
         "lower_precision_safe_modules": ["__main__.RecLinear"]}}
+
+
+def test_fsdp_strategy_with_lightnings_cpu_device_id_bypassed(tmp_path: Path) -> None:
+    """Lightning's FSDPStrategy passes device_id=None on CPU, which FSDP1 refuses; the worker's
+    subclass passes device_id=cpu instead. FSDP1 itself runs for real with gloo, wrapped by the
+    plugin's auto_wrap_policy and MixedPrecision from the plan."""
+    check(run("fsdp", tmp_path))

@@ -28,6 +28,7 @@ from precision_annot.runtime import apply
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
     from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
+    from lightning.pytorch.plugins.precision import FSDPPrecision as _FSDPPrecision
     from lightning.pytorch.plugins.precision import Precision as _TrainerPrecision
 except ImportError as e:  # pragma: no cover - exercised only without lightning installed
     raise ImportError(
@@ -35,7 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
         "pip install 'precision-annot[lightning]'"
     ) from e
 
-__all__ = ["AnnotatedPrecision", "FabricAnnotatedPrecision"]
+__all__ = ["AnnotatedFSDPPrecision", "AnnotatedPrecision", "FabricAnnotatedPrecision"]
 
 
 class LossScaler(torch.amp.GradScaler):
@@ -57,6 +58,7 @@ class _Annotated:
     """What the Trainer and Fabric plugins share: the plan, the input cast, autocast, the scaler."""
 
     precision: Any  # Lightning's precision string, derived from the plan's root
+    scaler: Any  # a GradScaler when fp16 is used (FSDP: ShardedGradScaler), else None
 
     def __init__(
         self,
@@ -79,7 +81,7 @@ class _Annotated:
         self._default = None if default is None else as_policy(default, argument="default")
         self._device = device
         self.plan: PrecisionPlan | None = plan
-        self.scaler: torch.amp.GradScaler | None = None
+        self.scaler = None
         self.precision = "32-true"  # Lightning reads this string; set from the plan's root
 
     def _convert(self, module: nn.Module) -> nn.Module:
@@ -320,3 +322,46 @@ class FabricAnnotatedPrecision(_Annotated, _FabricPrecision):
                     "Gradient clipping is not implemented for fused optimizers."
                 )
             self.scaler.unscale_(optimizer)
+
+
+class AnnotatedFSDPPrecision(AnnotatedPrecision, _FSDPPrecision):
+    """`AnnotatedPrecision` for Lightning's `FSDPStrategy` (FSDP1), which accepts only
+    `FSDPPrecision` subclasses.
+
+    It applies the plan, gives FSDP the root's `MixedPrecision` from `fsdp.mixed_precision(plan)`,
+    sets the strategy's `auto_wrap_policy` to `fsdp.wrap_policy(plan)` unless you set one, and
+    uses FSDP's `ShardedGradScaler` (which agrees on overflow across ranks) when fp16 is used.
+
+    Example:
+        >>> trainer = Trainer(strategy=FSDPStrategy(),  # doctest: +SKIP
+        ...                   plugins=[AnnotatedFSDPPrecision(default="bf16-mixed")])
+    """
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        module = super().convert_module(module)
+        assert self.plan is not None
+        if self.plan.needs_loss_scaling:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device=self._device or "cpu")
+        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        kwargs = getattr(strategy, "kwargs", None)
+        if isinstance(kwargs, dict) and "auto_wrap_policy" not in kwargs:
+            from precision_annot.adapters.fsdp import wrap_policy
+
+            kwargs["auto_wrap_policy"] = wrap_policy(self.plan)
+        return module
+
+    @property
+    @override
+    def mixed_precision_config(self) -> Any:
+        from precision_annot.adapters.fsdp import mixed_precision
+
+        # Lightning reads this for configure_model's wrapping context, before convert_module
+        # resolves the plan; modules wrapped there get no mixed precision from the plan.
+        return None if self.plan is None else mixed_precision(self.plan)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return data  # outputs leave in the dtype the plan gives them
