@@ -51,6 +51,9 @@ def run_processes(cmd: list[str], *, timeout: float, **kwargs: Any) -> Any:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     died_by_signal = proc.returncode < 0 or "exitcode: -" in proc.stderr
     if proc.returncode != 0 and died_by_signal and "Traceback" not in proc.stderr:
-        print(f"retrying after a signal death (rc={proc.returncode}):\n{proc.stderr[-2000:]}")
+        import warnings
+
+        warnings.warn(f"multi-process launch retried after a signal death (rc="
+                      f"{proc.returncode}): {proc.stderr[-1500:]}", UserWarning, stacklevel=2)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     return proc
