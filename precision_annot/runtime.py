@@ -211,6 +211,22 @@ class Boundary:
                 owner._parameters[pname] = p
 
 
+class ReprSuffix:
+    """An applied module's `extra_repr`: its own, then its policy, so `print(model)` shows it.
+
+    Boundaries are marked with `*`. It is an instance attribute, not a hook: no run-time cost.
+    """
+
+    def __init__(self, module: nn.Module, text: str, inner: Callable[[], str] | None) -> None:
+        self.module = module
+        self.text = text
+        self.inner = inner
+
+    def __call__(self) -> str:
+        own = self.inner() if self.inner is not None else type(self.module).extra_repr(self.module)
+        return f"{own}, precision={self.text}" if own else f"precision={self.text}"
+
+
 def wrap_function(
     fn: Callable[P, R], policy: Policy, keep: tuple[str | int, ...]
 ) -> Callable[P, R]:
@@ -394,6 +410,12 @@ def apply(
     for name, (spec, upcast) in _boundary_specs(plan, named, check_finite).items():
         module = named[name]
         module.__dict__["forward"] = Boundary(module, spec, upcast, module.__dict__.get("forward"))
+    for name, module in named.items():
+        entry = plan[name]
+        if not entry.policy.is_empty():
+            text = str(entry.policy) + ("*" if entry.boundary else "")
+            module.__dict__["extra_repr"] = ReprSuffix(module, text,
+                                                       module.__dict__.get("extra_repr"))
     object.__setattr__(model, _STATE_ATTR, _AppliedState(fingerprint, tuple(originals)))
     return model
 
@@ -408,6 +430,12 @@ def _semantics(plan: PrecisionPlan) -> str:
 def _strip_boundaries(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
+        suffix = module.__dict__.get("extra_repr")
+        if isinstance(suffix, ReprSuffix):
+            if suffix.inner is None:
+                del module.__dict__["extra_repr"]
+            else:
+                module.__dict__["extra_repr"] = suffix.inner
         forward = module.__dict__.get("forward")
         if isinstance(forward, Boundary):
             if forward.inner is None:

@@ -439,3 +439,17 @@ def test_autocast_device_comes_from_integer_inputs_and_weights() -> None:
     assert _device_type((), {"ids": tokens}, nn.Linear(2, 2)) == "meta"
     assert _device_type((3,), {}, nn.Linear(2, 2, device="meta")) == "meta"
     assert _device_type((3,), {}, nn.ReLU()) == "cpu"
+
+
+def test_print_shows_each_module_precision_until_removed() -> None:
+    model, *_ = island_model()
+    plain = repr(model)
+    apply(model, default="bf16")
+    text = repr(model)
+    lines = [line.strip() for line in text.splitlines()]
+    assert lines[1] == "precision=compute=bf16,storage=bf16,comm=bf16*"  # the root, a boundary
+    assert "(1): Recorder(" in lines and "precision=compute=fp32,storage=fp32,comm=fp32*" in lines
+    assert ("(inner): Linear(in_features=8, out_features=8, bias=True, "
+            "precision=compute=bf16,storage=bf16,comm=bf16)") in lines
+    remove(model)
+    assert repr(model) == plain
