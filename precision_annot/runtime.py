@@ -427,23 +427,16 @@ def _semantics(plan: PrecisionPlan) -> str:
     )
 
 
-def _strip_boundaries(model: nn.Module) -> int:
-    count = 0
+def _strip_boundaries(model: nn.Module) -> None:
+    """Put back each module's own `forward` and `extra_repr` (or the ones it had before)."""
     for module in model.modules():
-        suffix = module.__dict__.get("extra_repr")
-        if isinstance(suffix, ReprSuffix):
-            if suffix.inner is None:
-                del module.__dict__["extra_repr"]
-            else:
-                module.__dict__["extra_repr"] = suffix.inner
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, Boundary):
-            if forward.inner is None:
-                del module.__dict__["forward"]
-            else:
-                module.__dict__["forward"] = forward.inner
-            count += 1
-    return count
+        for attr, kind in (("forward", Boundary), ("extra_repr", ReprSuffix)):
+            installed = module.__dict__.get(attr)
+            if isinstance(installed, kind):
+                if installed.inner is None:
+                    del module.__dict__[attr]
+                else:
+                    module.__dict__[attr] = installed.inner
 
 
 def installed_boundaries(model: nn.Module) -> list[str]:
