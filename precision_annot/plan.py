@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot.dtypes import LOW_PRECISION, dtype_name, fp16
+from precision_annot.dtypes import dtype_name, fp16
 from precision_annot.policy import FIELDS, Policy
 
 __all__ = ["ModulePlan", "PrecisionPlan", "Source"]
@@ -177,12 +177,6 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
                 out[dtype] = out.get(dtype, 0) + n
         return out
 
-    @property
-    def low_precision_dtypes(self) -> set[torch.dtype]:
-        return {
-            v for e in self._entries.values() for _, v in e.policy.items() if v in LOW_PRECISION
-        }
-
     def module(self, name: str) -> nn.Module | None:
         """The module named `name`, if the plan was resolved from a model that is still alive."""
         ref = self._refs.get(name)
@@ -196,21 +190,6 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
     @property
     def has_model(self) -> bool:
         return bool(self._refs) and all(r() is not None for r in self._refs.values())
-
-    def owner_of(self) -> dict[int, tuple[str, nn.Parameter]]:
-        """id(parameter) -> (owning module name, parameter), for a plan resolved from a model."""
-        if not self.has_model:
-            raise RuntimeError(
-                "This plan does not hold its model (it was loaded from JSON, or the model is "
-                "gone). Resolve it from the model, or pass the model to the adapter."
-            )
-        owners: dict[int, tuple[str, nn.Parameter]] = {}
-        for name in self._entries:
-            module = self.module(name)
-            assert module is not None
-            for p in module.parameters(recurse=False):
-                owners.setdefault(id(p), (name, p))
-        return owners
 
     def param_policies(self) -> Iterator[tuple[str, nn.Parameter, ModulePlan]]:
         """(qualified parameter name, parameter, owner's plan row) for every parameter once."""

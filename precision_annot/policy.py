@@ -100,8 +100,9 @@ class Policy:
             try:
                 dtype = to_dtype(stripped, field="spec")
             except ValueError as e:
+                names = ", ".join(dtype_name(d) for d in (fp64, fp32, fp16, bf16))
                 raise ValueError(
-                    f"Unknown policy {text!r}. Valid: a dtype name ({', '.join(_dtype_names())}), "
+                    f"Unknown policy {text!r}. Valid: a dtype name ({names}), "
                     f"a preset ({', '.join(repr(p) for p in PRESETS)}), or key=dtype pairs "
                     f"with keys {', '.join(FIELDS)}."
                 ) from e
@@ -149,10 +150,6 @@ class Policy:
     def uses(self, dtype: torch.dtype) -> bool:
         """True when any field is `dtype`."""
         return any(v == dtype for _, v in self.items())
-
-
-def _dtype_names() -> list[str]:
-    return ["fp64", "fp32", "fp16", "bf16"]
 
 
 def _bare(dtype: torch.dtype) -> Policy:

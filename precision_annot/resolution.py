@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from precision_annot.annotation import class_tag, instance_tag, scope_tag
-from precision_annot.dtypes import LOW_PRECISION, dtype_name
+from precision_annot.dtypes import LOW_PRECISION, dtype_name, itemsize
 from precision_annot.plan import ModulePlan, PrecisionPlan, Source
 from precision_annot.policy import FIELDS, Policy, SpecLike, as_policy
 
@@ -107,7 +107,7 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
             dtype = policy.storage if policy.storage is not None and p.is_floating_point() else (
                 p.dtype
             )
-            nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
+            nbytes = p.numel() * itemsize(dtype)
             params += p.numel()
             total += nbytes
             by_dtype[dtype_name(dtype)] = by_dtype.get(dtype_name(dtype), 0) + nbytes
@@ -161,8 +161,7 @@ def replan(plan: PrecisionPlan, policies: dict[str, Policy]) -> PrecisionPlan:
         parent = entries[name.rpartition(".")[0]].policy if name else None
         by_dtype = dict(entry.param_dtype_bytes)
         if policy.storage is not None and policy.storage != entry.policy.storage and by_dtype:
-            size = torch.empty((), dtype=policy.storage).element_size()
-            by_dtype = {dtype_name(policy.storage): entry.params * size}
+            by_dtype = {dtype_name(policy.storage): entry.params * itemsize(policy.storage)}
         entries[name] = dataclasses.replace(
             entry,
             policy=policy,

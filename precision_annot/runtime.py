@@ -95,7 +95,7 @@ _NULL = contextlib.nullcontext()
 
 def _autocast(
     mode: str | None, device_type: str, dtype: torch.dtype | None, compiling: bool
-) -> Any:
+) -> contextlib.AbstractContextManager[Any]:
     """The autocast state a boundary needs; no context at all when it is already in force."""
     if mode is None:
         return _NULL
@@ -110,24 +110,34 @@ def _autocast(
     return torch.autocast(device_type, enabled=False)
 
 
-def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> str:
-    """The device of the first tensor argument (token ids count), else of the module's weights.
+def _device_type(
+    first: torch.Tensor | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    module: nn.Module | None = None,
+) -> str:
+    """The device of the first floating input, else of any tensor argument (token ids count),
+    else of the module's weights.
 
     Autocast is per device type: a GPU model whose root takes integer tokens must still get
     CUDA autocast, not CPU autocast.
     """
+    if first is not None:
+        return first.device.type
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.device.type
-    for tensor in (*module.parameters(), *module.buffers()):
-        return tensor.device.type
+    if module is not None:
+        for tensor in (*module.parameters(), *module.buffers()):
+            return tensor.device.type
     return "cpu"
 
 
-def _profiling() -> bool:
-    return (
-        not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled
-    )
+def _traced(what: str, name: str, compiling: bool) -> Any:
+    """A named profiler range for a boundary cast, only while a profiler is recording."""
+    if not compiling and torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"precision_annot::{what}[{name}]")
+    return _NULL
 
 
 class Boundary:
@@ -158,18 +168,17 @@ class Boundary:
         spec = self.spec
         compiling = torch.compiler.is_compiling()
         check_in = (spec.name, "entry") if spec.check and not compiling else None
-        first = first_floating(args[0]) if len(args) == 1 and not kwargs else (
-            first_floating((args, kwargs))
-        )
+        # the first floating input gives the autocast device and the exit dtype; skip the walk
+        # for boundaries that need neither
+        first = None
+        if spec.mode is not None or spec.exit_to_input:
+            first = first_floating(args[0]) if len(args) == 1 and not kwargs else (
+                first_floating((args, kwargs))
+            )
+        device_type = _device_type(first, args, kwargs, self.module)
         if spec.compute is not None:
-            if _profiling():
-                with torch.profiler.record_function(f"precision_annot::cast_inputs[{spec.name}]"):
-                    args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
-            else:
+            with _traced("cast_inputs", spec.name, compiling):
                 args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
-        device_type = first.device.type if first is not None else _device_type(
-            args, kwargs, self.module
-        )
         if not compiling:
             _local.depth = getattr(_local, "depth", 0) + 1
         try:
@@ -184,28 +193,21 @@ class Boundary:
         if target is None:
             return out
         check_out = (spec.name, "exit") if spec.check and not compiling else None
-        if _profiling():
-            with torch.profiler.record_function(f"precision_annot::cast_outputs[{spec.name}]"):
-                return cast_tree(out, target, check=check_out)
-        return cast_tree(out, target, check=check_out)
+        with _traced("cast_outputs", spec.name, compiling):
+            return cast_tree(out, target, check=check_out)
 
     def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        forward = self.inner
-        if not self.upcast:
-            if forward is None:
-                return type(self.module).forward(self.module, *args, **kwargs)
-            return forward(*args, **kwargs)
         compute = self.spec.compute
         saved = []
-        for owner, pname in self.upcast:
+        for owner, pname in self.upcast:  # compute wider than storage: upcast for the forward
             p = owner._parameters[pname]
             if p is not None and p.dtype != compute:
                 saved.append((owner, pname, p))
                 owner._parameters[pname] = p.to(compute)  # type: ignore[assignment]
         try:
-            if forward is None:
+            if self.inner is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
-            return forward(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         finally:
             for owner, pname, p in saved:
                 owner._parameters[pname] = p
@@ -237,8 +239,7 @@ def wrap_function(
         first = first_floating((args, kwargs))
         if policy.compute is not None:
             args, kwargs = _cast_inputs(args, kwargs, policy.compute, keep, None)
-        device_type = first.device.type if first is not None else "cpu"
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(_device_type(first, args, kwargs), enabled=False):
             out = fn(*args, **kwargs)
         target = policy.output or (first.dtype if first is not None else None)
         return out if target is None else cast_tree(out, target)

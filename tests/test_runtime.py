@@ -435,10 +435,12 @@ def test_autocast_device_comes_from_integer_inputs_and_weights() -> None:
     from precision_annot.runtime import _device_type
 
     tokens = torch.zeros(2, 3, dtype=torch.long, device="meta")
-    assert _device_type((tokens,), {}, nn.Linear(2, 2)) == "meta"
-    assert _device_type((), {"ids": tokens}, nn.Linear(2, 2)) == "meta"
-    assert _device_type((3,), {}, nn.Linear(2, 2, device="meta")) == "meta"
-    assert _device_type((3,), {}, nn.ReLU()) == "cpu"
+    assert _device_type(None, (tokens,), {}, nn.Linear(2, 2)) == "meta"
+    assert _device_type(None, (), {"ids": tokens}, nn.Linear(2, 2)) == "meta"
+    assert _device_type(None, (3,), {}, nn.Linear(2, 2, device="meta")) == "meta"
+    assert _device_type(None, (3,), {}, nn.ReLU()) == "cpu"
+    assert _device_type(None, (tokens,), {}) == "meta"  # the function form: no module
+    assert _device_type(torch.zeros(1), (tokens,), {}) == "cpu"  # a floating input wins
 
 
 def test_print_shows_each_module_precision_until_removed() -> None:

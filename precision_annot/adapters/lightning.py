@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from precision_annot.casting import cast_tree
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import SpecLike, as_policy
 from precision_annot.resolution import autocast_mode, resolve
-from precision_annot.runtime import apply
+from precision_annot.runtime import _autocast, apply
 
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
@@ -83,6 +83,7 @@ class _Annotated:
         self.plan: PrecisionPlan | None = plan
         self.scaler = None
         self.precision = "32-true"  # Lightning reads this string; set from the plan's root
+        self._hook_checked = False
 
     def _convert(self, module: nn.Module) -> nn.Module:
         plan = self._given_plan or resolve(module, self._default)
@@ -102,7 +103,7 @@ class _Annotated:
         dtype = None if self.plan is None else self.plan.root.policy.compute
         return data if dtype is None else cast_tree(data, dtype)
 
-    def forward_context(self) -> contextlib.AbstractContextManager[None]:
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
         """The root's autocast state, so code that calls submodules directly runs as the root."""
         return self._root_context()
 
@@ -122,22 +123,11 @@ class _Annotated:
         if self.scaler is not None and state_dict:
             self.scaler.load_state_dict(state_dict)
 
-    @contextlib.contextmanager
-    def _root_context(self) -> Generator[None, None, None]:
+    def _root_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.plan is None:
-            yield
-            return
+            return contextlib.nullcontext()
         root = self.plan.root.policy
-        mode = autocast_mode(root)
-        device = self._device or "cpu"
-        if mode == "autocast":
-            with torch.autocast(device, dtype=root.compute):
-                yield
-        elif mode == "off":
-            with torch.autocast(device, enabled=False):
-                yield
-        else:
-            yield
+        return _autocast(autocast_mode(root), self._device or "cpu", root.compute, False)
 
 
 def _lightning_name(compute: torch.dtype | None, storage: torch.dtype | None) -> str:
@@ -245,7 +235,7 @@ class AnnotatedPrecision(_Annotated, _TrainerPrecision):
 
     @override
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
-        if not getattr(self, "_hook_checked", False):
+        if not self._hook_checked:
             self._register_comm_hook(module)
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
