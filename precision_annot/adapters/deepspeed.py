@@ -95,7 +95,7 @@ def _param_entries(plan: PrecisionPlan) -> list[str]:
     return [name for name, e in plan.items() if e.params > 0]
 
 
-def deepspeed_plan(plan: PrecisionPlan, *, warn: bool = True) -> PrecisionPlan:
+def deepspeed_plan(plan: PrecisionPlan) -> PrecisionPlan:
     """The plan DeepSpeed can run: mixed storage becomes fp32 storage with per-module compute."""
     storages = {plan[n].policy.storage for n in _param_entries(plan)}
     if len(storages - {None}) <= 1 or not (storages & LOW_PRECISION):
@@ -106,16 +106,15 @@ def deepspeed_plan(plan: PrecisionPlan, *, warn: bool = True) -> PrecisionPlan:
         if p.storage in LOW_PRECISION:
             changed[name] = Policy(compute=p.compute or p.storage, storage=fp32, comm=p.comm,
                                    output=p.output)
-    if warn:
-        kept = sorted({dtype_name(s) for s in storages if s is not None})
-        warnings.warn(
-            f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes cast "
-            "every parameter to one dtype. Exporting fp32 storage for the "
-            f"{len(changed)} low-precision modules instead, with their compute kept low through "
-            "torch_autocast and the fp32 islands kept in fp32. Parameters use 4 bytes each.",
-            UserWarning,
-            stacklevel=3,
-        )
+    kept = sorted({dtype_name(s) for s in storages if s is not None})
+    warnings.warn(
+        f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes cast "
+        "every parameter to one dtype. Exporting fp32 storage for the "
+        f"{len(changed)} low-precision modules instead, with their compute kept low through "
+        "torch_autocast and the fp32 islands kept in fp32. Parameters use 4 bytes each.",
+        UserWarning,
+        stacklevel=3,
+    )
     return replan(plan, changed)
 
 
@@ -186,9 +185,8 @@ def to_config(
     low_compute: set[torch.dtype] = {c for c in computes if c in LOW_PRECISION}
     stage = int(config.get("zero_optimization", {}).get("stage", 0) or 0)
 
-    for key in ("communication_data_type",):
-        if key in config:
-            _ds_dtype(config[key], key)
+    if "communication_data_type" in config:
+        _ds_dtype(config["communication_data_type"], "communication_data_type")
     base_autocast = config.get("torch_autocast", {})
     if "dtype" in base_autocast:
         _ds_dtype(base_autocast["dtype"], "torch_autocast.dtype")
@@ -226,7 +224,7 @@ def to_config(
         if known and known != {low}:
             (comm,) = known
             if "communication_data_type" in config:
-                if _ds_dtype(config["communication_data_type"], "x") != comm:
+                if _ds_dtype(config["communication_data_type"], "communication_data_type") != comm:
                     raise _contradiction("communication_data_type",
                                          config["communication_data_type"], _DS_DTYPE[comm])
             else:

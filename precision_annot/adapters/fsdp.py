@@ -9,7 +9,7 @@ shard along its boundaries.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -175,7 +175,6 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
             "wrap_policy needs a plan resolved from the model (it finds modules by weak "
             "reference); resolve(model) or re-resolve a plan loaded from JSON."
         )
-    by_id: Mapping[int, str] = {}
     by_id = {id(plan.module(n)): n for n in unit_names(plan)}
 
     def lambda_fn(module: nn.Module) -> bool | dict[str, Any]:
