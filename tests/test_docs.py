@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import os
 import re
 from pathlib import Path
 
@@ -35,7 +34,3 @@ def test_docstring_examples(name: str) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.attempted > 0
     assert result.failed == 0
-
-
-def test_docs_exist() -> None:
-    assert os.path.exists(ROOT / "docs" / "index.md")
