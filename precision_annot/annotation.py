@@ -10,6 +10,7 @@ import contextvars
 import dataclasses
 import difflib
 import fnmatch
+import functools
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
+from precision_annot.boundary import in_applied_forward, wrap_function
 from precision_annot.policy import Policy, SpecLike, as_policy, policy_from
 
 __all__ = ["Selector", "annotate", "precision", "precision_scope"]
@@ -134,8 +136,6 @@ class _Annotator:
             tag_instance(target, self.policy, "instance", self.keep_dtype)
             return target
         if callable(target):
-            from precision_annot.runtime import wrap_function
-
             return wrap_function(target, self.policy, self.keep_dtype)
         raise TypeError(
             "precision(...) decorates nn.Module subclasses, nn.Module instances or functions. "
@@ -255,10 +255,27 @@ class precision_scope:
     def __repr__(self) -> str:
         return f"precision_scope({str(self.policy)!r})"
 
-    def __enter__(self) -> precision_scope:
-        from precision_annot.runtime import forward_depth
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
+        """Use the scope as a decorator, as `torch.no_grad` is used: every call of `fn` runs
+        inside a fresh scope with this policy."""
+        if isinstance(fn, type):
+            raise TypeError(
+                f"{self!r} decorates functions (a model factory, say). To tag a class, use "
+                f"@precision({str(self.policy)!r}). Received: the class {fn.__qualname__}"
+            )
+        if not callable(fn):
+            raise TypeError(f"{self!r} decorates functions. Received: {fn!r}")
+        policy = self.policy
 
-        if forward_depth() > 0:
+        @functools.wraps(fn)
+        def scoped(*args: Any, **kwargs: Any) -> Any:
+            with precision_scope(policy):
+                return fn(*args, **kwargs)
+
+        return scoped
+
+    def __enter__(self) -> precision_scope:
+        if in_applied_forward():
             raise RuntimeError(
                 f"{self!r} was entered while the forward of an applied model is running. "
                 "A scope only tags modules at construction; to run a region of forward in "
@@ -308,6 +325,9 @@ def _check_glob(pattern: str) -> None:
 
 
 def _matcher(selector: object) -> tuple[Callable[[str, nn.Module], bool], str]:
+    if isinstance(selector, nn.Module):
+        target = selector
+        return (lambda _n, m: m is target), f"instance {type(target).__qualname__}"
     if isinstance(selector, str):
         if _GLOB_CHARS.search(selector):
             _check_glob(selector)
@@ -384,23 +404,55 @@ def annotate(
     compiled = [
         (*_matcher(sel), as_policy(spec, argument=f"rules[{sel!r}]")) for sel, spec in pairs
     ]
-    for match, label, policy in compiled:
-        hits = [m for name, m in named if match(name, m)]
+    # Match every rule before tagging anything, so that an error leaves the model untouched.
+    matched: list[tuple[list[nn.Module], Policy]] = []
+    for i, (match, label, policy) in enumerate(compiled):
+        hits = []
+        for name, m in named:
+            try:
+                hit = match(name, m)
+            except Exception as e:
+                if not _rewrappable(e):
+                    raise
+                raise type(e)(
+                    f"annotate: rule {i} ({label}) raised on module {name or '(root)'!r}: "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+            if hit:
+                hits.append(m)
         if not hits and strict:
             names = [n for n, _ in named]
             raise ValueError(_no_match_message(label, names, named))
+        matched.append((hits, policy))
+    for hits, policy in matched:
         for module in hits:
             tag_instance(module, policy, "rule")
     return model
 
 
+def _rewrappable(error: Exception) -> bool:
+    """True when `type(error)(message)` builds the same kind of error with a new message."""
+    try:
+        return type(error)("probe").args == ("probe",)
+    except Exception:
+        return False
+
+
 def _no_match_message(label: str, names: list[str], named: list[tuple[str, nn.Module]]) -> str:
     if label.startswith(("name ", "glob ")):
         text = label.split(" ", 1)[1].strip("'\"")
-        close = difflib.get_close_matches(text, [n for n in names if n], n=5, cutoff=0.4)
-        hint = f"Closest module names: {', '.join(repr(c) for c in close)}" if close else (
-            f"Module names start with: {', '.join(repr(n) for n in names[1:6])}"
-        )
+        leaves = [n for n in names if n.rsplit(".", 1)[-1] == text]
+        if leaves:
+            shown = ", ".join(repr(n) for n in leaves[:3]) + (", ..." if len(leaves) > 3 else "")
+            hint = (f"{len(leaves)} modules end in {text!r} ({shown}): a selector matches the "
+                    f"whole name, so write the glob {'*.' + text!r} to select them all.")
+        else:
+            close = difflib.get_close_matches(text, [n for n in names if n], n=5, cutoff=0.4)
+            hint = f"Closest module names: {', '.join(repr(c) for c in close)}" if close else (
+                f"Module names start with: {', '.join(repr(n) for n in names[1:6])}"
+            )
+    elif label.startswith("instance "):
+        hint = "The module instance is not part of this model."
     else:
         types = sorted({type(m).__qualname__ for _, m in named})
         hint = f"Module classes in the model: {', '.join(types[:10])}"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "bf16", "dtype_name", "fp16", "fp32", "fp64", "to_dtype"]
+__all__ = ["DTYPE_NAMES", "LOW_PRECISION", "bf16", "dtype_name", "fp16", "fp32", "fp64",
+           "to_dtype", "wider"]
 
 fp64 = torch.float64
 fp32 = torch.float32
@@ -12,7 +13,7 @@ fp16 = torch.float16
 bf16 = torch.bfloat16
 
 #: Canonical short name of each supported dtype, as `str(Policy)` prints it.
-_SHORT: dict[torch.dtype, str] = {fp64: "fp64", fp32: "fp32", fp16: "fp16", bf16: "bf16"}
+SHORT: dict[torch.dtype, str] = {fp64: "fp64", fp32: "fp32", fp16: "fp16", bf16: "bf16"}
 
 _ALIASES: dict[torch.dtype, tuple[str, ...]] = {
     fp64: ("fp64", "float64", "f64", "double", "torch.float64", "torch.double"),
@@ -28,6 +29,14 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 LOW_PRECISION: frozenset[torch.dtype] = frozenset({fp16, bf16})
 
+# fp16 and bf16 share a rank: neither holds the other (fp16 has the bits, bf16 the range).
+_RANK: dict[torch.dtype, int] = {fp64: 3, fp32: 2, fp16: 1, bf16: 1}
+
+
+def wider(a: torch.dtype, b: torch.dtype) -> bool:
+    """True when `a` holds every value of `b` and more: fp64 > fp32 > {fp16, bf16}."""
+    return _RANK.get(a, 0) > _RANK.get(b, 0)
+
 
 def _valid() -> str:
     return ", ".join(repr(n) for n in DTYPE_NAMES)
@@ -40,7 +49,7 @@ def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
     anything else; the message names `field`, quotes the value and lists the valid names.
     """
     if isinstance(value, torch.dtype):
-        if value in _SHORT:
+        if value in SHORT:
             return value
         raise ValueError(
             f"{field} must be a floating dtype among fp64, fp32, fp16, bf16. "
@@ -63,9 +72,4 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     """The canonical short name (`fp32`, `bf16`, ...) of a supported dtype, or `-` for None."""
     if dtype is None:
         return "-"
-    return _SHORT.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of `dtype`."""
-    return torch.empty((), dtype=dtype).element_size()
+    return SHORT.get(dtype, str(dtype).removeprefix("torch."))

@@ -7,19 +7,25 @@ import difflib
 import json
 import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import torch
 from torch import nn
 
-from precision_annot.dtypes import dtype_name, fp16
-from precision_annot.policy import FIELDS, Policy
+from precision_annot.dtypes import SHORT, dtype_name, fp16, to_dtype
+from precision_annot.policy import FIELDS, Policy, is_boundary
 
-__all__ = ["ModulePlan", "PrecisionPlan", "Source"]
+__all__ = ["ModulePlan", "PrecisionPlan", "Source", "parent_name"]
 
 Source: TypeAlias = Literal["instance", "rule", "class", "scope", "inherited", "default"]
+SOURCES: frozenset[str] = frozenset(get_args(Source))
 
 _JSON_VERSION = 1
+
+
+def parent_name(name: str) -> str:
+    """The qualified name of a module's parent ("" for the root's children)."""
+    return name.rpartition(".")[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +34,17 @@ class ModulePlan:
 
     Attributes:
         name: qualified module name ("" for the root).
-        type: the module's class, qualified.
+        type: the module's class, as `module.QualifiedName`.
         policy: the effective policy.
         sources: per field, where its value came from, or None where nothing set it.
         keep_dtype: arguments never cast at this module's boundary.
-        boundary: True when this module casts at entry or exit, or changes autocast.
+        container: True for a module without a `forward` of its own (`nn.ModuleList`, ...):
+            it never runs, so its children carry its policy and its boundaries.
+        boundary: True when this module casts at entry or exit, or changes autocast. The
+            plan derives it from the policies; a value given here is ignored.
         params: number of the module's own parameter elements.
         param_bytes: bytes of its own parameters in their planned storage dtype.
+        param_dtype_bytes: those bytes by dtype name.
     """
 
     name: str
@@ -42,26 +52,11 @@ class ModulePlan:
     policy: Policy
     sources: Mapping[str, Source | None]
     keep_dtype: tuple[str | int, ...] = ()
+    container: bool = False
     boundary: bool = False
     params: int = 0
     param_bytes: int = 0
     param_dtype_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def compute(self) -> torch.dtype | None:
-        return self.policy.compute
-
-    @property
-    def storage(self) -> torch.dtype | None:
-        return self.policy.storage
-
-    @property
-    def comm(self) -> torch.dtype | None:
-        return self.policy.comm
-
-    @property
-    def output(self) -> torch.dtype | None:
-        return self.policy.output
 
     def source_summary(self) -> str:
         """One word when every set field has the same source, else field:source pairs."""
@@ -80,6 +75,7 @@ class ModulePlan:
             "policy": str(self.policy),
             "sources": dict(self.sources),
             "keep_dtype": list(self.keep_dtype),
+            "container": self.container,
             "boundary": self.boundary,
             "params": self.params,
             "param_bytes": self.param_bytes,
@@ -87,27 +83,85 @@ class ModulePlan:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ModulePlan:
+    def from_dict(cls, data: object, where: str = "entry") -> ModulePlan:
+        """Read one entry of `to_json`; a malformed entry raises `ValueError` naming the key."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be an object. Received: {data!r}")
+        name = data.get("name")
+        if not isinstance(name, str):
+            raise ValueError(f"{where}: 'name' must be a string. Received: name={name!r}")
+        where = f"{where} ({name or '(root)'!r})"
+
+        def get(key: str, kind: type | tuple[type, ...], default: Any) -> Any:
+            value = data.get(key, default)
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise ValueError(
+                    f"{where}: {key!r} must be of type "
+                    f"{getattr(kind, '__name__', kind)}. Received: {key}={value!r}"
+                )
+            return value
+
+        type_name = get("type", str, None)
+        try:
+            policy = Policy.parse(get("policy", str, None))
+        except ValueError as e:
+            raise ValueError(f"{where}: 'policy' is not a policy: {e}") from e
+        raw_sources = get("sources", dict, {})
+        sources: dict[str, Source | None] = {}
+        for field in FIELDS:
+            value = raw_sources.get(field)
+            if value is not None and value not in SOURCES:
+                raise ValueError(
+                    f"{where}: 'sources' has {field}={value!r}; valid sources: "
+                    f"{', '.join(sorted(SOURCES))} or null"
+                )
+            sources[field] = value
+        keep = get("keep_dtype", list, [])
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keep):
+            raise ValueError(
+                f"{where}: 'keep_dtype' must list argument names or positions. "
+                f"Received: keep_dtype={keep!r}"
+            )
+        get("boundary", bool, False)  # derived from the policies; only its type is checked
+        counts = {key: get(key, int, 0) for key in ("params", "param_bytes")}
+        by_dtype = get("param_dtype_bytes", dict, {})
+        for key, value in [*counts.items(), *by_dtype.items()]:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{where}: {key!r} must be a count >= 0. Received: {value!r}")
+        unknown = [k for k in by_dtype if k not in SHORT.values()]
+        if unknown:
+            raise ValueError(
+                f"{where}: 'param_dtype_bytes' has unknown dtype {unknown[0]!r}; valid: "
+                f"{', '.join(SHORT.values())}"
+            )
+        if sum(by_dtype.values()) != counts["param_bytes"]:
+            raise ValueError(
+                f"{where}: 'param_bytes' ({counts['param_bytes']}) is not the sum of "
+                f"'param_dtype_bytes' ({sum(by_dtype.values())})."
+            )
         return cls(
-            name=data["name"],
-            type=data["type"],
-            policy=Policy.parse(data["policy"]),
-            sources={f: data["sources"].get(f) for f in FIELDS},
-            keep_dtype=tuple(data.get("keep_dtype", ())),
-            boundary=bool(data.get("boundary", False)),
-            params=int(data.get("params", 0)),
-            param_bytes=int(data.get("param_bytes", 0)),
-            param_dtype_bytes=dict(data.get("param_dtype_bytes", {})),
+            name=name,
+            type=type_name,
+            policy=policy,
+            sources=sources,
+            keep_dtype=tuple(keep),
+            container=get("container", bool, False),
+            params=counts["params"],
+            param_bytes=counts["param_bytes"],
+            param_dtype_bytes=dict(by_dtype),
         )
 
 
 class PrecisionPlan(Mapping[str, ModulePlan]):
     """The effective `Policy` of every module of one model, in module order.
 
-    `plan[name]` gives a `ModulePlan`: the policy and, per field, its source. A plan resolved
-    from a model remembers that model's modules by weak reference, so an adapter given only
-    the plan can find each parameter's planned dtypes. `to_json` / `from_json` round-trip;
-    a saved plan re-applies to a fresh instance of the same model.
+    `plan[name]` gives a `ModulePlan`: the policy and, per field, its source. Boundaries are
+    derived from the policies: a module that runs its own forward is a boundary where its
+    compute, autocast mode or `output` differs from the nearest running ancestor's.
+
+    A plan resolved from a model remembers that model's modules by weak reference, so an
+    adapter given only the plan can find each parameter's planned dtypes. `to_json` /
+    `from_json` round-trip; a saved plan re-applies to a fresh instance of the same model.
 
     See also: `resolve`, `apply`.
     """
@@ -120,12 +174,39 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         model_type: str = "",
         modules: Mapping[str, nn.Module] | None = None,
     ) -> None:
-        self._entries: dict[str, ModulePlan] = dict(entries)
+        self._entries: dict[str, ModulePlan] = {}
+        self._context: dict[str, str | None] = {}
+        for name, entry in entries.items():
+            if name and parent_name(name) not in self._entries:
+                raise ValueError(
+                    f"Plan entry {name!r} comes before its parent {parent_name(name)!r}: "
+                    "entries are listed parents first, as named_modules() gives them."
+                )
+            context = self._running_ancestor(name)
+            boundary = is_boundary(
+                entry.policy,
+                None if context is None else self._entries[context].policy,
+                runs=not entry.container,
+            )
+            self._context[name] = context
+            self._entries[name] = (
+                entry if entry.boundary == boundary else dataclasses.replace(entry,
+                                                                               boundary=boundary)
+            )
+        if self._entries and "" not in self._entries:
+            raise ValueError("A plan needs a root entry named ''.")
         self.default = default
         self.model_type = model_type
         self._refs: dict[str, weakref.ref[nn.Module]] = {
             name: weakref.ref(m) for name, m in (modules or {}).items()
         }
+
+    def _running_ancestor(self, name: str) -> str | None:
+        while name:
+            name = parent_name(name)
+            if not self._entries[name].container:
+                return name
+        return None
 
     # -- Mapping ------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ModulePlan:
@@ -160,6 +241,12 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         """Names of the modules that cast at entry or exit or change autocast."""
         return tuple(name for name, e in self._entries.items() if e.boundary)
 
+    def context(self, name: str) -> ModulePlan | None:
+        """The row of the nearest ancestor of `name` that runs its own forward: the caller
+        whose compute dtype a boundary hands its outputs back in. None at the top."""
+        found = self._context[name]
+        return None if found is None else self._entries[found]
+
     @property
     def needs_loss_scaling(self) -> bool:
         """True when fp16 is used anywhere: every adapter then turns on dynamic loss scaling."""
@@ -168,8 +255,6 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
     @property
     def param_bytes_by_dtype(self) -> dict[torch.dtype, int]:
         """Bytes of parameters per planned storage dtype, over the whole model."""
-        from precision_annot.dtypes import to_dtype
-
         out: dict[torch.dtype, int] = {}
         for e in self._entries.values():
             for name, n in e.param_dtype_bytes.items():
@@ -221,7 +306,11 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
 
     @classmethod
     def from_json(cls, text: str) -> PrecisionPlan:
-        """Read a plan written by `to_json`."""
+        """Read a plan written by `to_json`.
+
+        Raises `ValueError` for text that is not such a plan, naming the entry and the key
+        that is wrong. Boundaries are derived again from the policies, whatever the file says.
+        """
         try:
             data = json.loads(text)
         except (TypeError, json.JSONDecodeError) as e:
@@ -236,13 +325,27 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
                 f"Unsupported plan version {data.get('version')!r}; this library reads "
                 f"version {_JSON_VERSION}."
             )
-        entries = [ModulePlan.from_dict(d) for d in data["modules"]]
+        modules = data.get("modules")
+        if not isinstance(modules, list) or not modules:
+            raise ValueError(
+                "PrecisionPlan.from_json: 'modules' must be a non-empty list of entries. "
+                f"Received: modules={modules!r}"
+            )
+        entries: dict[str, ModulePlan] = {}
+        for i, raw in enumerate(modules):
+            entry = ModulePlan.from_dict(raw, where=f"modules[{i}]")
+            if entry.name in entries:
+                raise ValueError(f"modules[{i}]: module {entry.name!r} is listed twice.")
+            entries[entry.name] = entry
         default = data.get("default")
-        return cls(
-            {e.name: e for e in entries},
-            default=None if default is None else Policy.parse(default),
-            model_type=data.get("model_type", ""),
-        )
+        model_type = data.get("model_type", "")
+        if not isinstance(model_type, str):
+            raise ValueError(f"'model_type' must be a string. Received: {model_type!r}")
+        try:
+            default_policy = None if default is None else Policy.parse(default)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"'default' is not a policy: {e}") from e
+        return cls(entries, default=default_policy, model_type=model_type)
 
     def __str__(self) -> str:
         header = ("module", "type", "compute", "storage", "comm", "output", "source", "params",
@@ -259,18 +362,11 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
                 *(dtype_name(v) for _, v in e.policy.items()),
                 e.source_summary(),
                 f"{e.params:,}",
-                _human_bytes(e.param_bytes),
+                human_bytes(e.param_bytes),
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        right = {7, 8}
-        lines = [
-            "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                      for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
-            for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines = format_table(rows, right={7, 8})
         by_dtype = ", ".join(
-            f"{dtype_name(d)} {_human_bytes(n)}" for d, n in self.param_bytes_by_dtype.items()
+            f"{dtype_name(d)} {human_bytes(n)}" for d, n in self.param_bytes_by_dtype.items()
         )
         lines.append("")
         lines.append(
@@ -286,7 +382,21 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
                 f"{len(self.boundaries)} boundaries)")
 
 
-def _human_bytes(n: int) -> str:
+def format_table(rows: list[tuple[str, ...]], right: set[int] | frozenset[int] = frozenset()
+                 ) -> list[str]:
+    """Rows as aligned text lines: the header, a rule, then the rest; `right` columns align
+    right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                  for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if value < 1024 or unit == "GiB":

@@ -8,9 +8,19 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from precision_annot.dtypes import bf16, dtype_name, fp16, fp32, fp64, to_dtype
+from precision_annot.dtypes import (
+    LOW_PRECISION,
+    bf16,
+    dtype_name,
+    fp16,
+    fp32,
+    fp64,
+    to_dtype,
+    wider,
+)
 
-__all__ = ["FIELDS", "PRESETS", "Policy", "PresetName", "SpecLike", "as_policy"]
+__all__ = ["FIELDS", "PRESETS", "AutocastMode", "Policy", "PresetName", "SpecLike", "as_policy",
+           "autocast_mode", "is_boundary", "policy_from"]
 
 FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output")
 
@@ -166,6 +176,47 @@ PRESETS: dict[str, Policy] = {
 }
 
 SpecLike: TypeAlias = Policy | torch.dtype | str
+
+#: How a module's forward treats autocast: run under it, disable it, or leave it as it is.
+AutocastMode: TypeAlias = Literal["autocast", "off"] | None
+
+
+def autocast_mode(policy: Policy) -> AutocastMode:
+    """How a module's forward treats autocast (runtime rule 3).
+
+    - "autocast": compute is fp16 or bf16 over wider storage (or storage left alone): the
+      subtree runs under `torch.autocast(dtype=compute)`, so ops autocast keeps in fp32 stay
+      in fp32.
+    - "off": compute at or above storage, or beside it (bf16 over fp16): autocast is disabled,
+      and parameters that differ from compute are cast to it for the forward.
+    - None: compute is not set; the caller's autocast state is left as it is.
+    """
+    if policy.compute is None:
+        return None
+    if policy.compute in LOW_PRECISION and (
+        policy.storage is None or wider(policy.storage, policy.compute)
+    ):
+        return "autocast"
+    return "off"
+
+
+def is_boundary(policy: Policy, context: Policy | None, *, runs: bool = True) -> bool:
+    """True when a module must cast at entry or exit, or change autocast.
+
+    `context` is the policy of the nearest ancestor that runs its own forward (None at the
+    top). A module that never runs (a container such as `nn.ModuleList`) is never a boundary:
+    its children are. A module whose own `output` is set is always a boundary, so its output
+    is honoured whatever the caller's policy is.
+    """
+    if not runs:
+        return False
+    if context is None:
+        return policy.compute is not None or policy.output is not None
+    return (
+        policy.compute != context.compute
+        or policy.output is not None
+        or autocast_mode(policy) != autocast_mode(context)
+    )
 
 
 def as_policy(spec: object, *, argument: str = "spec") -> Policy:

@@ -5,43 +5,28 @@ Per field, the highest level that sets it wins:
 1. the instance (`precision(...)(module)` or `annotate`; the later call wins),
 2. the class, through the nearest decorated class in the MRO,
 3. the construction scope,
-4. the parent's effective value (not for `output`, which applies to one module's exit),
+4. the parent's effective value (not for `output`, which applies to one module's exit, unless
+   the parent is a container: it never runs, so its children carry its `output` too),
 5. `default`, at the root.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
 from precision_annot.annotation import class_tag, instance_tag, scope_tag
-from precision_annot.dtypes import LOW_PRECISION, dtype_name, itemsize
-from precision_annot.plan import ModulePlan, PrecisionPlan, Source
+from precision_annot.dtypes import dtype_name
+from precision_annot.plan import ModulePlan, PrecisionPlan, Source, parent_name
 from precision_annot.policy import FIELDS, Policy, SpecLike, as_policy
 
-__all__ = ["autocast_mode", "replan", "resolve"]
+__all__ = ["is_container", "resolve"]
 
 
-def autocast_mode(policy: Policy) -> str | None:
-    """How a module's forward treats autocast: "autocast", "off", or None (left as it is)."""
-    if policy.compute is None:
-        return None
-    if policy.compute in LOW_PRECISION and policy.storage != policy.compute:
-        return "autocast"
-    return "off"
-
-
-def is_boundary(policy: Policy, parent: Policy | None) -> bool:
-    """True when a module's compute, output or autocast mode differs from its parent's."""
-    if parent is None:
-        return policy.compute is not None or policy.output is not None
-    return (
-        policy.compute != parent.compute
-        or (policy.output is not None and policy.output != parent.output)
-        or autocast_mode(policy) != autocast_mode(parent)
-    )
+def is_container(module: nn.Module) -> bool:
+    """True for a module with no `forward` of its own (`nn.ModuleList`, `nn.ModuleDict`, ...):
+    it is never called, so it cannot cast anything."""
+    return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
 def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
@@ -73,10 +58,14 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
     fallback = None if default is None else as_policy(default, argument="default")
     entries: dict[str, ModulePlan] = {}
     modules: dict[str, nn.Module] = {}
-    storage_owner: dict[int, tuple[str, torch.dtype]] = {}
+    storage_owner: dict[int, tuple[str, torch.dtype, bool]] = {}
     counted: set[int] = set()
     for name, module in model.named_modules():
-        parent = entries[name.rpartition(".")[0]].policy if name else None
+        parent_entry = entries[parent_name(name)] if name else None
+        parent = parent_entry.policy if parent_entry else None
+        inherits = set(FIELDS) if parent_entry and parent_entry.container else (
+            set(FIELDS) - {"output"}
+        )
         itag, ctag, stag = instance_tag(module), class_tag(type(module)), scope_tag(module)
         values: dict[str, torch.dtype | None] = {}
         sources: dict[str, Source | None] = {}
@@ -90,7 +79,7 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
                 value, source = getattr(ctag.policy, field), "class"
             elif stag is not None and getattr(stag, field) is not None:
                 value, source = getattr(stag, field), "scope"
-            elif parent is not None and field != "output" and getattr(parent, field) is not None:
+            elif parent is not None and field in inherits and getattr(parent, field) is not None:
                 value, source = getattr(parent, field), "inherited"
             elif parent is None and fallback is not None and getattr(fallback, field) is not None:
                 value, source = getattr(fallback, field), "default"
@@ -107,7 +96,7 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
             dtype = policy.storage if policy.storage is not None and p.is_floating_point() else (
                 p.dtype
             )
-            nbytes = p.numel() * itemsize(dtype)
+            nbytes = p.numel() * dtype.itemsize
             params += p.numel()
             total += nbytes
             by_dtype[dtype_name(dtype)] = by_dtype.get(dtype_name(dtype), 0) + nbytes
@@ -120,7 +109,7 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
             policy=policy,
             sources=sources,
             keep_dtype=keep,
-            boundary=is_boundary(policy, parent),
+            container=is_container(module),
             params=params,
             param_bytes=total,
             param_dtype_bytes=by_dtype,
@@ -132,43 +121,25 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
 
 
 def _check_tied(
-    owners: dict[int, tuple[str, torch.dtype]],
+    owners: dict[int, tuple[str, torch.dtype, bool]],
     param: nn.Parameter,
     module_name: str,
     param_name: str,
     storage: torch.dtype | None,
 ) -> None:
-    if storage is None or not param.is_floating_point():
+    """A shared parameter has one dtype: every owner must plan the same one. An owner that
+    leaves storage unset plans the dtype the parameter has now."""
+    if not param.is_floating_point():
         return
-    first = owners.setdefault(id(param), (module_name, storage))
-    if first[1] != storage:
+    target = storage if storage is not None else param.dtype
+    first = owners.setdefault(id(param), (module_name, target, storage is None))
+    if first[1] != target:
+        def says(dtype: torch.dtype, unset: bool) -> str:
+            return f"storage={dtype_name(dtype)}" + (", unset: it keeps its dtype" if unset else "")
+
         raise ValueError(
             f"Parameter {param_name!r} is shared by modules {first[0] or '(root)'!r} "
-            f"(storage={dtype_name(first[1])}) and {module_name or '(root)'!r} "
-            f"(storage={dtype_name(storage)}). A shared parameter has one storage dtype: "
+            f"({says(first[1], first[2])}) and {module_name or '(root)'!r} "
+            f"({says(target, storage is None)}). A shared parameter has one storage dtype: "
             "annotate both modules with the same storage."
         )
-
-
-def replan(plan: PrecisionPlan, policies: dict[str, Policy]) -> PrecisionPlan:
-    """A copy of `plan` with some modules' policies replaced and boundaries recomputed.
-
-    Adapters use it where a backend cannot express a plan exactly and they run a close one.
-    """
-    entries: dict[str, ModulePlan] = {}
-    for name, entry in plan.items():
-        policy = policies.get(name, entry.policy)
-        parent = entries[name.rpartition(".")[0]].policy if name else None
-        by_dtype = dict(entry.param_dtype_bytes)
-        if policy.storage is not None and policy.storage != entry.policy.storage and by_dtype:
-            by_dtype = {dtype_name(policy.storage): entry.params * itemsize(policy.storage)}
-        entries[name] = dataclasses.replace(
-            entry,
-            policy=policy,
-            boundary=is_boundary(policy, parent),
-            param_bytes=sum(by_dtype.values()),
-            param_dtype_bytes=by_dtype,
-        )
-    return PrecisionPlan(
-        entries, default=plan.default, model_type=plan.model_type, modules=plan.modules()
-    )

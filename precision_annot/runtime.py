@@ -1,216 +1,69 @@
 """`apply` and `remove`: make a plan real with storage casts and boundary forwards.
 
-Only boundary modules are touched at run time: each gets its `forward` replaced by a
-`Boundary`, which casts inputs at entry (one autograd node), runs the original forward
-under the right autocast state, and casts outputs at exit. Everything else runs untouched.
+`apply` works out the whole target state first (each tensor's dtype, each boundary's
+`BoundarySpec`, the tensors each boundary sees in its compute dtype), compares it with what
+the model holds now, and only then changes the model. Nothing is changed when the plan is
+already real, and a failure while preparing leaves the model as it was.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from typing_extensions import ParamSpec
 
-from precision_annot.casting import cast_tree, first_floating
-from precision_annot.dtypes import dtype_name
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import Policy, SpecLike
-from precision_annot.resolution import autocast_mode, resolve
+from precision_annot.boundary import (
+    Boundary,
+    BoundarySpec,
+    CastingDict,
+    Planned,
+    Region,
+    keep_binding,
+)
+from precision_annot.plan import ModulePlan, PrecisionPlan, parent_name
+from precision_annot.policy import SpecLike, autocast_mode
+from precision_annot.resolution import is_container, resolve
 
-__all__ = ["Boundary", "apply", "forward_depth", "installed_boundaries", "remove", "wrap_function"]
+__all__ = ["apply", "applied_plan", "installed_boundaries", "remove"]
 
-P = ParamSpec("P")
-R = TypeVar("R")
 M = TypeVar("M", bound=nn.Module)
 
 _STATE_ATTR = "_precision_annot_state"
-_local = threading.local()
+_REPLICATE = "_replicate_for_data_parallel"
+
+Key = tuple[str, str, str]  # module name, "param" | "buffer", tensor name
 
 
-def forward_depth() -> int:
-    """How many applied boundary forwards are running in this thread."""
-    depth: int = getattr(_local, "depth", 0)
-    return depth
+@dataclasses.dataclass
+class AppliedState:
+    """What `apply` left on the model's root: the plan, and each floating tensor's dtype before
+    the first `apply`, so that `remove` can give it back."""
 
-
-@dataclasses.dataclass(frozen=True)
-class BoundarySpec:
-    """What one boundary does; fixed at apply time so the hot path only reads it."""
-
-    name: str
-    compute: torch.dtype | None
-    exit_dtype: torch.dtype | None  # cast outputs to this at exit
-    exit_to_input: bool  # else cast outputs back to the first floating input's dtype
-    mode: str | None  # "autocast" (compute), "off" (autocast disabled) or None (unchanged)
-    keep: tuple[str | int, ...]
+    plan: PrecisionPlan
     check: bool
+    originals: dict[Key, torch.dtype]
 
 
-@dataclasses.dataclass(frozen=True)
-class _AppliedState:
-    fingerprint: tuple[str, bool]
-    originals: tuple[tuple[str, str, str, torch.dtype], ...]  # module, kind, name, dtype
+@dataclasses.dataclass
+class _Install:
+    spec: BoundarySpec
+    region: Region | None
+    planned: tuple[Planned, ...]
 
 
-def _split_kept(
-    args: tuple[Any, ...], kwargs: dict[str, Any], keep: tuple[str | int, ...]
-) -> tuple[tuple[Any, ...], dict[str, Any], dict[int, Any], dict[str, Any]]:
-    kept_args = {}
-    for k in keep:
-        if isinstance(k, int) and -len(args) <= k < len(args):
-            kept_args[k % len(args)] = args[k]
-    kept_kwargs = {k: kwargs[k] for k in keep if isinstance(k, str) and k in kwargs}
-    args = tuple(None if i in kept_args else a for i, a in enumerate(args))
-    kwargs = {k: (None if k in kept_kwargs else v) for k, v in kwargs.items()}
-    return args, kwargs, kept_args, kept_kwargs
+@dataclasses.dataclass
+class _Layout:
+    """The target state of one apply."""
 
-
-def _cast_inputs(
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    dtype: torch.dtype,
-    keep: tuple[str | int, ...],
-    check: tuple[str, str] | None,
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if not keep:
-        if not kwargs and len(args) == 1:
-            return (cast_tree(args[0], dtype, check=check),), kwargs
-        return cast_tree((args, kwargs), dtype, check=check)  # type: ignore[no-any-return]
-    args, kwargs, kept_args, kept_kwargs = _split_kept(args, kwargs, keep)
-    args, kwargs = cast_tree((args, kwargs), dtype, check=check)
-    args = tuple(kept_args.get(i, a) for i, a in enumerate(args))
-    kwargs.update(kept_kwargs)
-    return args, kwargs
-
-
-_NULL = contextlib.nullcontext()
-
-
-def _autocast(
-    mode: str | None, device_type: str, dtype: torch.dtype | None, compiling: bool
-) -> contextlib.AbstractContextManager[Any]:
-    """The autocast state a boundary needs; no context at all when it is already in force."""
-    if mode is None:
-        return _NULL
-    if not compiling:  # eager fast path: entering autocast costs ~7 us even when it changes nothing
-        enabled = torch.is_autocast_enabled(device_type)
-        if mode == "off" and not enabled:
-            return _NULL
-        if mode == "autocast" and enabled and torch.get_autocast_dtype(device_type) == dtype:
-            return _NULL
-    if mode == "autocast":
-        return torch.autocast(device_type, dtype=dtype, enabled=True)
-    return torch.autocast(device_type, enabled=False)
-
-
-def _device_type(
-    first: torch.Tensor | None,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    module: nn.Module | None = None,
-) -> str:
-    """The device of the first floating input, else of any tensor argument (token ids count),
-    else of the module's weights.
-
-    Autocast is per device type: a GPU model whose root takes integer tokens must still get
-    CUDA autocast, not CPU autocast.
-    """
-    if first is not None:
-        return first.device.type
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device.type
-    if module is not None:
-        for tensor in (*module.parameters(), *module.buffers()):
-            return tensor.device.type
-    return "cpu"
-
-
-def _traced(what: str, name: str, compiling: bool) -> Any:
-    """A named profiler range for a boundary cast, only while a profiler is recording."""
-    if not compiling and torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(f"precision_annot::{what}[{name}]")
-    return _NULL
-
-
-class Boundary:
-    """The forward of one boundary module: cast in, set autocast, run, cast out.
-
-    It replaces the module's `forward` as an instance attribute, so it costs nothing
-    elsewhere, survives `copy.deepcopy` and pickling, and `remove` restores the original.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        spec: BoundarySpec,
-        upcast: tuple[tuple[nn.Module, str], ...],
-        inner: Callable[..., Any] | None,
-    ) -> None:
-        self.module = module
-        self.spec = spec
-        self.upcast = upcast
-        self.inner = inner
-
-    def __repr__(self) -> str:
-        s = self.spec
-        return (f"Boundary({s.name or '(root)'!r}, compute={dtype_name(s.compute)}, "
-                f"mode={s.mode}, exit={dtype_name(s.exit_dtype)})")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        spec = self.spec
-        compiling = torch.compiler.is_compiling()
-        check_in = (spec.name, "entry") if spec.check and not compiling else None
-        # the first floating input gives the autocast device and the exit dtype; skip the walk
-        # for boundaries that need neither
-        first = None
-        if spec.mode is not None or spec.exit_to_input:
-            first = first_floating(args[0]) if len(args) == 1 and not kwargs else (
-                first_floating((args, kwargs))
-            )
-        device_type = _device_type(first, args, kwargs, self.module)
-        if spec.compute is not None:
-            with _traced("cast_inputs", spec.name, compiling):
-                args, kwargs = _cast_inputs(args, kwargs, spec.compute, spec.keep, check_in)
-        if not compiling:
-            _local.depth = getattr(_local, "depth", 0) + 1
-        try:
-            with _autocast(spec.mode, device_type, spec.compute, compiling):
-                out = self._run(args, kwargs)
-        finally:
-            if not compiling:
-                _local.depth -= 1
-        target = spec.exit_dtype
-        if target is None and spec.exit_to_input and first is not None:
-            target = first.dtype
-        if target is None:
-            return out
-        check_out = (spec.name, "exit") if spec.check and not compiling else None
-        with _traced("cast_outputs", spec.name, compiling):
-            return cast_tree(out, target, check=check_out)
-
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        compute = self.spec.compute
-        saved = []
-        for owner, pname in self.upcast:  # compute wider than storage: upcast for the forward
-            p = owner._parameters[pname]
-            if p is not None and p.dtype != compute:
-                saved.append((owner, pname, p))
-                owner._parameters[pname] = p.to(compute)  # type: ignore[assignment]
-        try:
-            if self.inner is None:
-                return type(self.module).forward(self.module, *args, **kwargs)
-            return self.inner(*args, **kwargs)
-        finally:
-            for owner, pname, p in saved:
-                owner._parameters[pname] = p
+    casts: list[tuple[Key, nn.Module, torch.Tensor, torch.dtype]]
+    current: dict[Key, torch.dtype]  # every floating tensor's dtype now
+    boundaries: dict[str, _Install]
+    casting_dicts: dict[tuple[str, str], tuple[Region, frozenset[str]]]
+    reprs: dict[str, str]
 
 
 class ReprSuffix:
@@ -229,23 +82,70 @@ class ReprSuffix:
         return f"{own}, precision={self.text}" if own else f"precision={self.text}"
 
 
-def wrap_function(
-    fn: Callable[P, R], policy: Policy, keep: tuple[str | int, ...]
-) -> Callable[P, R]:
-    """The function form of `precision`: cast in, disable autocast, run, cast back out."""
+class Replicate:
+    """`module._replicate_for_data_parallel` for an applied module: the replica that
+    `nn.DataParallel` makes runs its own boundary, not the original module's."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        first = first_floating((args, kwargs))
-        if policy.compute is not None:
-            args, kwargs = _cast_inputs(args, kwargs, policy.compute, keep, None)
-        with torch.autocast(_device_type(first, args, kwargs), enabled=False):
-            out = fn(*args, **kwargs)
-        target = policy.output or (first.dtype if first is not None else None)
-        return out if target is None else cast_tree(out, target)
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
 
-    wrapper.__precision_annot_policy__ = policy  # type: ignore[attr-defined]
-    return wrapper
+    def __call__(self) -> nn.Module:
+        # NOTE: torch's replicate() calls this private method on each module; the replica
+        # shares the original's __dict__ entries, so the boundary must be rebound to it.
+        module = self.module
+        replica: nn.Module = type(module)._replicate_for_data_parallel(module)  # type: ignore[no-untyped-call]
+        forward = replica.__dict__.get("forward")
+        if isinstance(forward, Boundary):
+            replica.__dict__["forward"] = forward.rebound(replica)
+        text = replica.__dict__.get("extra_repr")
+        if isinstance(text, ReprSuffix):
+            replica.__dict__["extra_repr"] = ReprSuffix(replica, text.text, text.inner)
+        replica.__dict__[_REPLICATE] = Replicate(replica)
+        return replica
+
+
+# -- finding what is installed --------------------------------------------------------------------
+
+def find_boundary(module: nn.Module) -> tuple[Boundary | None, bool]:
+    """The `Boundary` this module's forward runs, and whether it is the forward itself (True) or
+    buried under another library's wrapper (Accelerate's autocast, `functools.wraps`)."""
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, Boundary):
+        return forward, True
+    seen = 0
+    while forward is not None and seen < 32:
+        seen += 1
+        if isinstance(forward, Boundary):
+            return (forward, False) if forward.module is module else (None, False)
+        nxt = getattr(forward, "__wrapped__", None) or getattr(forward, "__func__", None)
+        if nxt is None:
+            closure = getattr(forward, "__closure__", None) or ()
+            nxt = next((c.cell_contents for c in closure
+                        if isinstance(getattr(c, "cell_contents", None), Boundary)), None)
+        forward = nxt
+    return None, False
+
+
+def installed_boundaries(model: nn.Module) -> list[str]:
+    """Names of the modules whose forward runs an active `Boundary`, even one that another
+    library has wrapped since."""
+    return [n for n, m in model.named_modules() if (b := find_boundary(m)[0]) and b.active]
+
+
+def applied_plan(model: nn.Module) -> PrecisionPlan | None:
+    """The plan `apply` last made real on `model`, or None."""
+    state: AppliedState | None = model.__dict__.get(_STATE_ATTR)
+    return None if state is None else state.plan
+
+
+# -- the target state -----------------------------------------------------------------------------
+
+def _require_module(value: object, what: str) -> None:
+    if not isinstance(value, nn.Module):
+        raise TypeError(
+            f"{what} expects an nn.Module. Received: model={value!r} "
+            f"(of type {type(value).__name__})"
+        )
 
 
 def _check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
@@ -273,73 +173,217 @@ def _check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
             )
 
 
-def _cast_storage(
-    plan: PrecisionPlan, named: dict[str, nn.Module]
-) -> list[tuple[str, str, str, torch.dtype]]:
-    originals: list[tuple[str, str, str, torch.dtype]] = []
+def _for_model(plan: PrecisionPlan, named: dict[str, nn.Module]) -> PrecisionPlan:
+    """The plan with each module's container flag read from the model itself, so boundaries
+    follow what really runs (a hand-edited plan file cannot turn a boundary off)."""
+    fixed = {n: e if e.container == is_container(named[n]) else
+             dataclasses.replace(e, container=is_container(named[n])) for n, e in plan.items()}
+    if all(fixed[n] is plan[n] for n in plan):
+        return plan
+    return PrecisionPlan(fixed, default=plan.default, model_type=plan.model_type,
+                         modules=plan.modules())
+
+
+def _forward_of(module: nn.Module) -> tuple[Callable[..., Any], bool]:
+    """The forward a boundary on `module` wraps, and whether it still takes `self`."""
+    own = module.__dict__.get("forward")
+    if own is not None and not isinstance(own, Boundary):
+        return own, False
+    return type(module).forward, True
+
+
+def _exit(entry: ModulePlan, context: ModulePlan | None) -> tuple[torch.dtype | None, bool]:
+    """Runtime rule 4: `output` if set, else the caller's compute, else the input's dtype;
+    a top-level module's outputs are left as computed."""
+    if entry.policy.output is not None:
+        return entry.policy.output, False
+    if context is None:
+        return None, False
+    if context.policy.compute is not None:
+        return context.policy.compute, False
+    return None, entry.policy.compute is not None
+
+
+def _layout(plan: PrecisionPlan, named: dict[str, nn.Module], check: bool) -> _Layout:
+    casts: list[tuple[Key, nn.Module, torch.Tensor, torch.dtype]] = []
+    current: dict[Key, torch.dtype] = {}
+    planned_dtype: dict[Key, torch.dtype] = {}
     for name, module in named.items():
         storage = plan[name].policy.storage
-        if storage is None:
-            continue
         for pname, p in module._parameters.items():
-            if p is not None and p.is_floating_point() and p.dtype != storage:
-                originals.append((name, "param", pname, p.dtype))
-                with torch.no_grad():
-                    p.data = p.data.to(storage)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(storage)
+            if p is None or not p.is_floating_point():
+                continue
+            target = storage or p.dtype
+            key = (name, "param", pname)
+            current[key], planned_dtype[key] = p.dtype, target
+            if p.dtype != target:
+                casts.append((key, module, p, target))
         for bname, b in module._buffers.items():
-            if b is not None and b.is_floating_point() and b.dtype != storage:
-                originals.append((name, "buffer", bname, b.dtype))
-                module._buffers[bname] = b.to(storage)
-    return originals
+            if b is None or not b.is_floating_point():
+                continue
+            persistent = bname not in module._non_persistent_buffers_set
+            target = storage if storage is not None and persistent else b.dtype
+            key = (name, "buffer", bname)
+            current[key], planned_dtype[key] = b.dtype, target
+            if b.dtype != target:
+                casts.append((key, module, b, target))
 
-
-def _boundary_specs(
-    plan: PrecisionPlan, named: dict[str, nn.Module], check: bool
-) -> dict[str, tuple[BoundarySpec, tuple[tuple[nn.Module, str], ...]]]:
-    region: dict[str, str | None] = {}
+    owner: dict[str, str | None] = {}
+    boundaries: dict[str, _Install] = {}
+    for name, module in named.items():
+        entry = plan[name]
+        checked_root = check and not name and not entry.container
+        if entry.boundary or checked_root:
+            owner[name] = name
+        else:
+            owner[name] = owner[parent_name(name)] if name else None
+        if entry.container and entry.keep_dtype:
+            warnings.warn(f"keep_dtype={entry.keep_dtype} on {name or '(root)'!r} is ignored: "
+                          f"{type(module).__name__} has no forward of its own, so nothing "
+                          "passes through it.", UserWarning, stacklevel=3)
     members: dict[str, list[str]] = {}
     for name in named:
-        parent = name.rpartition(".")[0] if name else None
-        region[name] = name if plan[name].boundary else (
-            region[parent] if parent is not None else None
-        )
-        owner = region[name]
-        if owner is not None:
-            members.setdefault(owner, []).append(name)
-    out = {}
-    for name in plan.boundaries:
+        if owner[name] is not None:
+            members.setdefault(owner[name], []).append(name)  # type: ignore[arg-type]
+
+    casting_dicts: dict[tuple[str, str], tuple[Region, frozenset[str]]] = {}
+    for name, names in members.items():
         entry = plan[name]
         policy = entry.policy
-        parent_policy = plan[name.rpartition(".")[0]].policy if name else None
-        if policy.output is not None:
-            exit_dtype, exit_to_input = policy.output, False
-        elif parent_policy is not None and parent_policy.compute is not None:
-            exit_dtype, exit_to_input = parent_policy.compute, False
-        else:
-            exit_dtype = None
-            exit_to_input = parent_policy is not None and policy.compute is not None
+        exit_dtype, exit_to_input = _exit(entry, plan.context(name))
+        forward, method = _forward_of(named[name])
+        positions, kept = keep_binding(forward, entry.keep_dtype,
+                                       f"the forward of {name or '(root)'!r}", method=method)
+        mode = autocast_mode(policy) if entry.boundary else None
         spec = BoundarySpec(
             name=name,
-            compute=policy.compute,
-            exit_dtype=exit_dtype,
-            exit_to_input=exit_to_input,
-            mode=autocast_mode(policy),
-            keep=entry.keep_dtype,
+            compute=policy.compute if entry.boundary else None,
+            mode=mode,
+            exit=exit_dtype if entry.boundary else None,
+            exit_to_input=exit_to_input and entry.boundary,
+            keep_positions=positions,
+            keep_names=kept,
             check=check,
         )
-        upcast: list[tuple[nn.Module, str]] = []
-        if spec.mode == "off" and policy.compute is not None:
-            for member in members.get(name, []):
-                storage = plan[member].policy.storage
-                for pname, p in named[member]._parameters.items():
-                    if p is None or not p.is_floating_point():
-                        continue
-                    if (storage or p.dtype) != policy.compute:
-                        upcast.append((named[member], pname))
-        out[name] = (spec, tuple(upcast))
-    return out
+        prefix = f"{name}." if name else ""
+        planned = tuple(
+            Planned(member.removeprefix(prefix) if member != name else "", kind, tname, dtype)
+            for (member, kind, tname), dtype in planned_dtype.items() if member in names
+        )
+        region = None
+        if mode == "off" and policy.compute is not None:
+            region_members = []
+            compute = policy.compute
+            probe = Region(compute, ())
+            for member in names:
+                module = named[member]
+                path = member.removeprefix(prefix) if member != name else ""
+                non_persistent = frozenset(module._non_persistent_buffers_set)
+                for kind, store in (("param", module._parameters), ("buffer", module._buffers)):
+                    for tname, t in store.items():
+                        if t is None or not t.is_floating_point():
+                            continue
+                        upcast_only = kind == "buffer" and tname in non_persistent
+                        dtype = planned_dtype[(member, kind, tname)]
+                        if probe.needs(torch.empty(0, dtype=dtype), upcast_only):
+                            region_members.append((path, kind, tname, upcast_only))
+            if region_members:
+                region = Region(compute, tuple(region_members))
+                for path, kind, _, _ in region_members:
+                    member = f"{prefix}{path}" if path else name
+                    casting_dicts[(member, kind)] = (
+                        region, frozenset(named[member]._non_persistent_buffers_set)
+                        if kind == "buffer" else frozenset())
+        boundaries[name] = _Install(spec, region, planned)
+
+    reprs = {}
+    for name, entry in plan.items():
+        if not entry.policy.is_empty():
+            reprs[name] = str(entry.policy) + ("*" if entry.boundary else "")
+    return _Layout(casts, current, boundaries, casting_dicts, reprs)
+
+
+def _is_real(model: nn.Module, named: dict[str, nn.Module], layout: _Layout) -> bool:
+    """True when the model already holds exactly this target state."""
+    if layout.casts:
+        return False
+    for name, module in named.items():
+        boundary = find_boundary(module)[0]
+        want = layout.boundaries.get(name)
+        if want is None:
+            if boundary is not None and boundary.active:
+                return False
+            continue
+        if boundary is None or boundary.spec != want.spec or boundary.planned != want.planned:
+            return False
+        if (boundary.region is None) != (want.region is None) or (
+            boundary.region is not None and want.region is not None
+            and (boundary.region.compute, boundary.region.members)
+            != (want.region.compute, want.region.members)
+        ):
+            return False
+        for kind in ("param", "buffer"):
+            store = module.__dict__["_parameters" if kind == "param" else "_buffers"]
+            wanted = layout.casting_dicts.get((name, kind))
+            if isinstance(store, CastingDict) != (wanted is not None):
+                return False
+    return all(isinstance(m.__dict__.get("extra_repr"), ReprSuffix) == (n in layout.reprs)
+               for n, m in named.items())
+
+
+# -- changing the model ---------------------------------------------------------------------------
+
+def _strip(model: nn.Module) -> None:
+    """Take every boundary, casting dict, repr suffix and replica hook off the tree."""
+    for module in model.modules():
+        boundary, direct = find_boundary(module)
+        if boundary is not None:
+            if direct:
+                if boundary.inner is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = boundary.inner
+            else:
+                boundary.configure(None, None, ())  # wrapped by another library: pass through
+        text = module.__dict__.get("extra_repr")
+        if isinstance(text, ReprSuffix):
+            if text.inner is None:
+                del module.__dict__["extra_repr"]
+            else:
+                module.__dict__["extra_repr"] = text.inner
+        if isinstance(module.__dict__.get(_REPLICATE), Replicate):
+            del module.__dict__[_REPLICATE]
+        for attr in ("_parameters", "_buffers"):
+            store = module.__dict__.get(attr)
+            if isinstance(store, CastingDict):
+                module.__dict__[attr] = dict(store.items())
+
+
+def _set_dtype(module: nn.Module, kind: str, name: str, tensor: torch.Tensor,
+               value: torch.Tensor) -> None:
+    """Give a parameter (same object, new data) or buffer (new tensor) a cast value."""
+    if kind == "param":
+        with torch.no_grad():
+            tensor.data = value
+            if tensor.grad is not None:
+                tensor.grad = tensor.grad.to(value.dtype)
+    else:
+        module._buffers[name] = value
+
+
+def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
+    """Originals recorded by earlier applies on this model or its submodules, as this model's
+    names; their states are dropped, since this apply now owns the tree."""
+    originals: dict[Key, torch.dtype] = {}
+    for name, module in model.named_modules():
+        state: AppliedState | None = module.__dict__.pop(_STATE_ATTR, None)
+        if state is None:
+            continue
+        prefix = f"{name}." if name else ""
+        for (mname, kind, tname), dtype in state.originals.items():
+            full = f"{prefix}{mname}" if mname else name
+            originals.setdefault((full, kind, tname), dtype)
+    return originals
 
 
 def apply(
@@ -351,12 +395,19 @@ def apply(
 ) -> M:
     """Make a precision plan real on `model`, in place.
 
-    Parameters and floating buffers are cast to their module's storage dtype; each boundary
-    module's forward casts floating inputs to its compute dtype at entry (one autograd node),
-    runs under autocast (compute below storage), with autocast disabled (compute at or above
-    storage, parameters upcast as needed), and casts outputs at exit to `output`, else to the
-    parent's compute dtype. Non-boundary modules are not touched. `apply` is idempotent and
-    `remove` undoes it.
+    Parameters and persistent floating buffers are cast to their module's storage dtype
+    (non-persistent buffers, such as rotary tables, keep the dtype they were built in). Each
+    boundary module's forward casts floating inputs to its compute dtype at entry, runs under
+    autocast (compute below storage) or with autocast disabled (its tensors seen in the compute
+    dtype where they differ), and casts outputs at exit to `output`, else to the caller's
+    compute dtype. Modules that are not boundaries are not touched.
+
+    Call it before building the optimizer: it changes the dtype of parameters, and an
+    optimizer that already holds state for them keeps that state in the old dtype.
+
+    `apply` is idempotent and atomic: when the plan is already real nothing changes, and on
+    any error the model is left as it was. Call it again after `model.half()`,
+    `model.to(dtype)` or `load_state_dict(assign=True)` to restore the plan. `remove` undoes it.
 
     Args:
         model: the module tree.
@@ -364,8 +415,8 @@ def apply(
             None. (Default: None)
         default: the root's defaults, used only when `plan` is None. (Default: None)
         check_finite: raise `FloatingPointError` naming the module and the direction when a
-            non-finite value crosses a boundary; for debugging: it syncs, and it is skipped
-            inside `torch.compile`. (Default: False)
+            non-finite value crosses a boundary or leaves the root; for debugging: it syncs,
+            and it is skipped inside `torch.compile`. (Default: False)
 
     Returns:
         `model`.
@@ -379,11 +430,7 @@ def apply(
         >>> model(torch.randn(2, 4)).dtype
         torch.bfloat16
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"apply expects an nn.Module. Received: model={model!r} "
-            f"(of type {type(model).__name__})"
-        )
+    _require_module(model, "apply")
     if plan is None:
         plan = resolve(model, default)
     elif default is not None:
@@ -400,53 +447,51 @@ def apply(
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
     named = dict(model.named_modules())
     _check_matches(plan, named)
-    fingerprint = (_semantics(plan), check_finite)
-    state: _AppliedState | None = model.__dict__.get(_STATE_ATTR)
-    if state is not None:
-        if state.fingerprint == fingerprint:
-            return model
-        remove(model)
-    _strip_boundaries(model)
-    originals = _cast_storage(plan, named)
-    for name, (spec, upcast) in _boundary_specs(plan, named, check_finite).items():
+    plan = _for_model(plan, named)
+    layout = _layout(plan, named, check_finite)
+    state: AppliedState | None = model.__dict__.get(_STATE_ATTR)
+    if (state is not None and state.plan == plan and state.check == check_finite
+            and _is_real(model, named, layout)):
+        return model
+
+    # Prepare everything that can fail (the casts) before changing anything.
+    prepared = [(key, module, tensor, tensor.to(dtype)) for key, module, tensor, dtype in
+                layout.casts]
+
+    originals = _absorb_nested(model)
+    for key, dtype in layout.current.items():  # kept from the first apply, if there was one
+        originals.setdefault(key, dtype)
+    _strip(model)
+    for key, module, tensor, value in prepared:
+        _set_dtype(module, key[1], key[2], tensor, value)
+    for (name, kind), (region, upcast_only) in layout.casting_dicts.items():
+        attr = "_parameters" if kind == "param" else "_buffers"
         module = named[name]
-        module.__dict__["forward"] = Boundary(module, spec, upcast, module.__dict__.get("forward"))
-    for name, module in named.items():
-        entry = plan[name]
-        if not entry.policy.is_empty():
-            text = str(entry.policy) + ("*" if entry.boundary else "")
-            module.__dict__["extra_repr"] = ReprSuffix(module, text,
-                                                       module.__dict__.get("extra_repr"))
-    object.__setattr__(model, _STATE_ATTR, _AppliedState(fingerprint, tuple(originals)))
+        module.__dict__[attr] = CastingDict(dict(module.__dict__[attr]), region,
+                                            upcast_only if kind == "buffer" else frozenset())
+    for name, install in layout.boundaries.items():
+        module = named[name]
+        boundary, direct = find_boundary(module)
+        if boundary is not None and not direct:
+            boundary.configure(install.spec, install.region, install.planned)
+        else:
+            module.__dict__["forward"] = Boundary(
+                module, install.spec, inner=module.__dict__.get("forward"),
+                region=install.region, planned=install.planned,
+            )
+        module.__dict__[_REPLICATE] = Replicate(module)
+    for name, text in layout.reprs.items():
+        module = named[name]
+        module.__dict__["extra_repr"] = ReprSuffix(module, text, module.__dict__.get("extra_repr"))
+    object.__setattr__(model, _STATE_ATTR, AppliedState(plan, check_finite, originals))
     return model
-
-
-def _semantics(plan: PrecisionPlan) -> str:
-    """What makes two plans apply the same way: policies, kept arguments and boundaries."""
-    return "|".join(
-        f"{n}:{e.policy}:{e.keep_dtype}:{e.boundary}" for n, e in plan.items()
-    )
-
-
-def _strip_boundaries(model: nn.Module) -> None:
-    """Put back each module's own `forward` and `extra_repr` (or the ones it had before)."""
-    for module in model.modules():
-        for attr, kind in (("forward", Boundary), ("extra_repr", ReprSuffix)):
-            installed = module.__dict__.get(attr)
-            if isinstance(installed, kind):
-                if installed.inner is None:
-                    del module.__dict__[attr]
-                else:
-                    module.__dict__[attr] = installed.inner
-
-
-def installed_boundaries(model: nn.Module) -> list[str]:
-    """Names of the modules whose forward is a `Boundary` now."""
-    return [n for n, m in model.named_modules() if isinstance(m.__dict__.get("forward"), Boundary)]
 
 
 def remove(model: M) -> M:
     """Undo `apply`: no boundary is left, and each parameter and buffer gets its old dtype back.
+
+    It sees through other libraries' forward wrappers (Accelerate's), and undoes applies made
+    on submodules too.
 
     Example:
         >>> from torch import nn
@@ -455,29 +500,16 @@ def remove(model: M) -> M:
         >>> model.weight.dtype
         torch.float32
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"remove expects an nn.Module. Received: model={model!r} "
-            f"(of type {type(model).__name__})"
-        )
-    _strip_boundaries(model)
-    state: _AppliedState | None = model.__dict__.pop(_STATE_ATTR, None)
-    if state is None:
-        return model
+    _require_module(model, "remove")
+    originals = _absorb_nested(model)
+    _strip(model)
     named = dict(model.named_modules())
-    for name, kind, tname, dtype in state.originals:
+    for (name, kind, tname), dtype in originals.items():
         module = named.get(name)
         if module is None:
             continue
-        if kind == "param":
-            p = module._parameters.get(tname)
-            if p is not None:
-                with torch.no_grad():
-                    p.data = p.data.to(dtype)
-                    if p.grad is not None:
-                        p.grad = p.grad.to(dtype)
-        else:
-            b = module._buffers.get(tname)
-            if b is not None:
-                module._buffers[tname] = b.to(dtype)
+        store = module._parameters if kind == "param" else module._buffers
+        tensor = store.get(tname)
+        if tensor is not None and tensor.dtype != dtype:
+            _set_dtype(module, kind, tname, tensor, tensor.detach().to(dtype))
     return model

@@ -70,7 +70,7 @@ def test_precision_refuses_a_target_as_spec() -> None:
         precision(fp32)(3)  # type: ignore[call-overload]
 
 
-# --- precedence: each level against each other ------------------------------------------------
+# --- precedence: each level against each other ---------------------------------------------------
 
 LEVELS = ["instance", "class", "scope", "inherited", "default"]
 
@@ -140,7 +140,7 @@ def test_output_is_not_inherited() -> None:
     assert plan.boundaries == ("",)
 
 
-# --- scopes ------------------------------------------------------------------------------------
+# --- scopes --------------------------------------------------------------------------------------
 
 def test_scope_tags_root_submodules_and_parameterless_modules() -> None:
     with precision_scope(compute=bf16):
@@ -215,7 +215,7 @@ def test_scope_rejects_unknown_fields() -> None:
         precision_scope(speed=bf16)
 
 
-# --- annotate ----------------------------------------------------------------------------------
+# --- annotate ------------------------------------------------------------------------------------
 
 def _encdec() -> nn.Module:
     return nn.ModuleDict({
@@ -348,3 +348,43 @@ def test_from_json_rejects_other_text() -> None:
         PrecisionPlan.from_json("{")
     with pytest.raises(ValueError, match="precision_annot.plan"):
         PrecisionPlan.from_json('{"modules": []}')
+
+
+# --- selectors and scopes: errors that explain, or it just works ---------------------------------
+
+def test_a_module_instance_is_a_selector() -> None:
+    model = _encdec()
+    annotate(model, {model["enc"][1]: "fp32"})
+    plan = resolve(model)
+    assert plan["enc.1"].policy.compute == fp32 and plan["dec.1"].policy.compute is None
+    with pytest.raises(ValueError, match="instance LayerNorm matches no module.*not part"):
+        annotate(model, {nn.LayerNorm(2): "fp32"})
+
+
+def test_a_predicate_that_raises_is_named_with_its_rule() -> None:
+    def broken(name: str, module: nn.Module) -> bool:
+        return module.weight.shape[0] > 1  # type: ignore[union-attr]  # ModuleDict has none
+
+    model = _encdec()
+    with pytest.raises(AttributeError, match=r"annotate: rule 1 \(predicate .*broken.*\) raised "
+                                             r"on module '\(root\)'"):
+        annotate(model, [("enc.0", "bf16"), (broken, "fp32")])
+    assert resolve(model)["enc.0"].policy.compute is None  # the first rule left no tag
+
+
+def test_a_leaf_name_points_to_the_glob() -> None:
+    with pytest.raises(ValueError, match=r"2 modules end in '1'.*'enc\.1', 'dec\.1'.*'\*\.1'"):
+        annotate(_encdec(), {"1": "fp32"})
+
+
+def test_precision_scope_as_a_decorator() -> None:
+    @precision_scope(compute="bf16")
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2))
+
+    first, second = build(), build()
+    assert resolve(first)["0"].policy.compute == bf16 == resolve(second)["0"].policy.compute
+    assert resolve(nn.Linear(2, 2))[""].policy.compute is None  # nothing leaks after the call
+    assert build.__name__ == "build"
+    with pytest.raises(TypeError, match=r"@precision\('compute=bf16'\)"):
+        precision_scope(compute="bf16")(nn.Linear)

@@ -145,6 +145,37 @@ def test_both_low_compute_dtypes_over_fp32_are_refused() -> None:
         dsa.to_config(resolve(model, default="bf16-mixed"), BASE)
 
 
+def test_bases_as_deepspeed_and_hugging_face_write_them(tmp_path: Path) -> None:
+    """0.1 gave AttributeError on null sections, "not valid JSON" on comments, reported "auto"
+    as "the base has True", and silently overwrote a string "false"."""
+    plan = resolve(nn.Linear(4, 4), default="bf16")
+    config, _ = export(plan, {**BASE, "bf16": None, "fp16": None, "torch_autocast": None})
+    assert config["bf16"] == {"enabled": True} and "torch_autocast" not in config
+    auto = {**BASE, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+            "communication_data_type": "auto"}
+    config, _ = export(resolve(nn.Linear(4, 4), default=Policy(bf16, bf16, fp32)), auto)
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["communication_data_type"] == "fp32"
+    mixed = resolve(island(), default=Policy(compute=bf16, storage=fp32))
+    config, _ = export(mixed, {**BASE, "bf16": {"enabled": "auto"},
+                               "torch_autocast": {"enabled": "auto", "dtype": "auto"}})
+    assert config["torch_autocast"]["dtype"] == "bfloat16" and config["bf16"]["enabled"] is False
+    with pytest.raises(ValueError, match=r"contradicts the plan at bf16.enabled: the base has "
+                                         r"'false'"):
+        dsa.to_config(plan, {**BASE, "bf16": {"enabled": "false"}})
+    with pytest.raises(ValueError, match=r"bf16.enabled must be a boolean.*'maybe'"):
+        dsa.to_config(plan, {**BASE, "bf16": {"enabled": "maybe"}})
+    with pytest.raises(ValueError, match=r"'bf16' must be an object or null.*bf16=True"):
+        dsa.to_config(plan, {**BASE, "bf16": True})
+    with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3.*'two'"):
+        dsa.to_config(plan, {**BASE, "zero_optimization": {"stage": "two"}})
+    commented = tmp_path / "ds.json"
+    commented.write_text('{\n  // DeepSpeed reads hjson\n  "train_micro_batch_size_per_gpu": 2,'
+                         '\n  "zero_optimization": {"stage": 2},  # trailing\n}\n')
+    config, _ = export(plan, commented)
+    assert config == {**BASE, "bf16": {"enabled": True}}
+
+
 def test_bad_input(tmp_path: Path) -> None:
     plan = resolve(nn.Linear(4, 4), default="bf16")
     with pytest.raises(TypeError, match="base must be a dict"):
@@ -153,7 +184,7 @@ def test_bad_input(tmp_path: Path) -> None:
         dsa.to_config(plan, str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
     bad.write_text("{nope")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="not valid JSON or hjson"):
         dsa.to_config(plan, bad)
     with pytest.raises(ValueError, match=r"communication_data_type='fp8'"):
         dsa.to_config(plan, {**BASE, "communication_data_type": "fp8"})
@@ -168,7 +199,7 @@ def test_bad_input(tmp_path: Path) -> None:
         dsa.prepare(plan)  # type: ignore[arg-type]
 
 
-# --- real DeepSpeed, CPU accelerator, gloo ------------------------------------------------------
+# --- real DeepSpeed, CPU accelerator, gloo -------------------------------------------------------
 
 WORKER = Path(__file__).with_name("ds_worker.py")
 STAGES = [0, 1, 2, 3]

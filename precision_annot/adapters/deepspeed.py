@@ -14,49 +14,170 @@ uses a dynamic `GradScaler` for fp16. The mapping:
 | mixed storage (fp32 islands in a bf16 model) | fp32 storage + `torch_autocast`, with a warning |
 | per-module comm | `comm_dtype` on each parameter, set by `prepare` |
 | uniform comm under `bf16`/`fp16` | `communication_data_type` |
+
+`translate(plan)` works out once what DeepSpeed can run; `to_config` and `prepare` share it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
-import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from os import PathLike
 from pathlib import Path
-from typing import Any, TypeAlias, Union
+from typing import Any, Literal, TypeAlias, Union
 
 import torch
 from torch import nn
 
-from precision_annot.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, fp32
+from precision_annot.dtypes import LOW_PRECISION, SHORT, bf16, dtype_name, fp16, fp32
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
-from precision_annot.resolution import replan, resolve
+from precision_annot.resolution import resolve
 from precision_annot.runtime import apply
 
-__all__ = ["prepare", "to_config"]
+__all__ = ["DeepSpeedPlan", "prepare", "to_config", "translate"]
 
 BaseConfig: TypeAlias = Union[Mapping[str, Any], str, "PathLike[str]", None]
+Case: TypeAlias = Literal["low_storage", "fp32", "autocast"]
 
-_DS_DTYPE = {fp32: "fp32", fp16: "fp16", bf16: "bf16"}
 _AUTOCAST_DTYPE = {fp16: "float16", bf16: "bfloat16"}
 _DTYPE_FROM_DS: dict[str, torch.dtype] = {
     "fp32": fp32, "float32": fp32, "float": fp32, "fp16": fp16, "float16": fp16, "half": fp16,
     "bf16": bf16, "bfloat16": bf16,
 }
+# Strings DeepSpeed's pydantic config models read as booleans.
+_TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
+_FALSE = frozenset({"false", "f", "no", "n", "off", "0"})
+_PRECISION_SECTIONS = ("bf16", "fp16", "torch_autocast")
 
 
-def _ds_dtype(value: object, key: str) -> torch.dtype:
-    text = str(value).lower().removeprefix("torch.")
-    if text not in _DTYPE_FROM_DS:
-        raise ValueError(
-            f"Unknown dtype in base config: {key}={value!r}. Valid: "
-            f"{', '.join(repr(k) for k in _DTYPE_FROM_DS)}"
+# -- the plan as DeepSpeed can run it -------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedPlan:
+    """The plan DeepSpeed runs, from `translate`: pass it to `to_config` and `prepare`.
+
+    Attributes:
+        plan: the plan to apply; equal to the source plan unless storage was mixed.
+        moved: modules whose low-precision storage became fp32 (mixed storage).
+        storages: the storage dtypes of the modules that hold parameters.
+        low_compute: the fp16/bf16 compute dtypes used anywhere.
+        comms: the comm dtypes of the modules that hold parameters (None: unset).
+    """
+
+    plan: PrecisionPlan
+    moved: tuple[str, ...]
+    storages: frozenset[torch.dtype]
+    low_compute: frozenset[torch.dtype]
+    comms: frozenset[torch.dtype | None]
+
+    @property
+    def case(self) -> Case:
+        if self.storages and self.storages <= LOW_PRECISION:
+            return "low_storage"
+        return "autocast" if self.low_compute else "fp32"
+
+
+def _param_entries(plan: PrecisionPlan) -> list[str]:
+    return [name for name, e in plan.items() if e.params > 0]
+
+
+def _replan(plan: PrecisionPlan, policies: dict[str, Policy]) -> PrecisionPlan:
+    """A copy of `plan` with some modules' policies replaced (boundaries follow)."""
+    entries = {}
+    for name, entry in plan.items():
+        policy = policies.get(name, entry.policy)
+        by_dtype = dict(entry.param_dtype_bytes)
+        if policy.storage is not None and policy.storage != entry.policy.storage and by_dtype:
+            by_dtype = {dtype_name(policy.storage): entry.params * policy.storage.itemsize}
+        entries[name] = dataclasses.replace(entry, policy=policy,
+                                            param_bytes=sum(by_dtype.values()),
+                                            param_dtype_bytes=by_dtype)
+    return PrecisionPlan(entries, default=plan.default, model_type=plan.model_type,
+                         modules=plan.modules())
+
+
+def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan) -> DeepSpeedPlan:
+    """The plan as DeepSpeed can run it. Mixed storage (fp32 islands in a bf16 model) becomes
+    fp32 storage everywhere, with each module's compute kept through `torch_autocast`; that
+    is said once, by a `UserWarning` naming the byte cost."""
+    if isinstance(model_or_plan, DeepSpeedPlan):
+        return model_or_plan
+    if isinstance(model_or_plan, nn.Module):
+        plan = resolve(model_or_plan)
+    elif isinstance(model_or_plan, PrecisionPlan):
+        plan = model_or_plan
+    else:
+        raise TypeError(
+            "Expected an nn.Module or a PrecisionPlan. "
+            f"Received: {model_or_plan!r} (of type {type(model_or_plan).__name__})"
         )
-    return _DTYPE_FROM_DS[text]
+    storages = {plan[n].policy.storage for n in _param_entries(plan)}
+    moved: dict[str, Policy] = {}
+    if len(storages - {None}) > 1 and storages & LOW_PRECISION:
+        for name, entry in plan.items():
+            p = entry.policy
+            if p.storage in LOW_PRECISION:
+                moved[name] = Policy(compute=p.compute or p.storage, storage=fp32, comm=p.comm,
+                                     output=p.output)
+        extra = sum(e.params * (4 - e.policy.storage.itemsize) for n, e in plan.items()
+                    if n in moved and e.policy.storage is not None)
+        kept = sorted({dtype_name(s) for s in storages if s is not None})
+        warnings.warn(
+            f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes "
+            "cast every parameter to one dtype. Exporting fp32 storage for the "
+            f"{len(moved)} low-precision modules instead, with their compute kept low through "
+            f"torch_autocast and the fp32 islands kept in fp32: {extra:,} more bytes of "
+            "parameters.",
+            UserWarning,
+            stacklevel=3,
+        )
+        plan = _replan(plan, moved)
+    names = _param_entries(plan)
+    return DeepSpeedPlan(
+        plan=plan,
+        moved=tuple(moved),
+        storages=frozenset(s for n in names if (s := plan[n].policy.storage) is not None),
+        low_compute=frozenset(e.policy.compute for e in plan.values()
+                              if e.policy.compute in LOW_PRECISION),
+        comms=frozenset(plan[n].policy.comm for n in names),
+    )
 
+
+def importable_class(path: str) -> str | None:
+    """`path` ("package.module.Class") when DeepSpeed can import it back by `rsplit('.', 1)`,
+    else None."""
+    module_name, _, class_name = path.rpartition(".")
+    if not module_name or "<" in path:
+        return None
+    try:
+        found = getattr(importlib.import_module(module_name), class_name, None)
+    except Exception:
+        return None
+    return path if isinstance(found, type) else None
+
+
+def safe_classes(dsp: DeepSpeedPlan, dtype: torch.dtype) -> list[str] | None:
+    """Classes whose every parameter-holding instance reduces in `dtype`, or None when the
+    plan cannot be said by exact class (DeepSpeed matches `module.__class__`, not subclasses).
+    Read from the plan's class paths, so a plan loaded from JSON gives the same answer."""
+    plan = dsp.plan
+    by_class: dict[str, set[torch.dtype | None]] = {}
+    for name in _param_entries(plan):
+        by_class.setdefault(plan[name].type, set()).add(plan[name].policy.comm)
+    names = []
+    for path, comms in by_class.items():
+        if dtype in comms:
+            if len(comms) > 1 or importable_class(path) is None:
+                return None
+            names.append(path)
+    return sorted(names)
+
+
+# -- reading the user's base as DeepSpeed reads it ------------------------------------------------
 
 def _load_base(base: BaseConfig) -> dict[str, Any]:
     if base is None:
@@ -67,88 +188,79 @@ def _load_base(base: BaseConfig) -> dict[str, Any]:
         path = Path(base)
         if not path.is_file():
             raise ValueError(f"base must be a dict or a path to a JSON file; no file at {base!r}.")
+        import hjson  # DeepSpeed reads its config files with hjson: comments are allowed
+
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"base config {str(path)!r} is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
+            data = hjson.loads(path.read_text())
+        except Exception as e:
+            raise ValueError(f"base config {str(path)!r} is not valid JSON or hjson: {e}") from e
+        if not isinstance(data, Mapping):
             raise ValueError(f"base config {str(path)!r} must hold a JSON object.")
-        return data
+        return _plain(data)  # type: ignore[no-any-return]
     raise TypeError(
         "base must be a dict, a path to a JSON file, or None. "
         f"Received: base={base!r} (of type {type(base).__name__})"
     )
 
 
-def _plan_of(model_or_plan: nn.Module | PrecisionPlan) -> PrecisionPlan:
-    if isinstance(model_or_plan, PrecisionPlan):
-        return model_or_plan
-    if isinstance(model_or_plan, nn.Module):
-        return resolve(model_or_plan)
-    raise TypeError(
-        "to_config expects an nn.Module or a PrecisionPlan. "
-        f"Received: {model_or_plan!r} (of type {type(model_or_plan).__name__})"
-    )
+def _plain(value: Any) -> Any:
+    """hjson's ordered dicts as plain dicts, recursively."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
-def _param_entries(plan: PrecisionPlan) -> list[str]:
-    return [name for name, e in plan.items() if e.params > 0]
+def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
+    """A section of the base, `{}` when absent or null; anything else raises, naming it."""
+    value = config.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"base config: {key!r} must be an object or null. Received: "
+                         f"{key}={value!r}")
+    return value
 
 
-def deepspeed_plan(plan: PrecisionPlan) -> PrecisionPlan:
-    """The plan DeepSpeed can run: mixed storage becomes fp32 storage with per-module compute."""
-    storages = {plan[n].policy.storage for n in _param_entries(plan)}
-    if len(storages - {None}) <= 1 or not (storages & LOW_PRECISION):
-        return plan
-    changed = {}
-    for name, entry in plan.items():
-        p = entry.policy
-        if p.storage in LOW_PRECISION:
-            changed[name] = Policy(compute=p.compute or p.storage, storage=fp32, comm=p.comm,
-                                   output=p.output)
-    kept = sorted({dtype_name(s) for s in storages if s is not None})
-    warnings.warn(
-        f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes cast "
-        "every parameter to one dtype. Exporting fp32 storage for the "
-        f"{len(changed)} low-precision modules instead, with their compute kept low through "
-        "torch_autocast and the fp32 islands kept in fp32. Parameters use 4 bytes each.",
-        UserWarning,
-        stacklevel=3,
-    )
-    return replan(plan, changed)
-
-
-def _class_name(cls: type) -> str | None:
-    """`module.Class` when DeepSpeed can import it back to this exact class, else None."""
-    name = f"{cls.__module__}.{cls.__qualname__}"
-    if "." in cls.__qualname__ or "<" in name:
+def _flag(config: dict[str, Any], section: str, key: str = "enabled") -> bool | None:
+    """A boolean of the base as DeepSpeed reads it; None when absent or "auto"."""
+    value = _section(config, section).get(key)
+    if value is None or value == "auto":
         return None
-    try:
-        found = getattr(importlib.import_module(cls.__module__), cls.__qualname__, None)
-    except Exception:
-        return None
-    return name if found is cls else None
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"base config: {section}.{key} must be a boolean or \"auto\". Received: "
+                     f"{section}.{key}={value!r}")
 
 
-def _safe_classes(plan: PrecisionPlan, dtype: torch.dtype) -> list[str] | None:
-    """Classes whose every parameter-holding instance reduces in `dtype`; None when the plan
-    cannot be said by exact class (DeepSpeed matches `module.__class__`, not subclasses)."""
-    modules = plan.modules()
-    if not modules:
+def _dtype(value: object, key: str) -> torch.dtype | None:
+    """A dtype of the base; None when absent or "auto"."""
+    if value is None or value == "auto":
         return None
-    by_class: dict[type, set[torch.dtype | None]] = {}
-    for name in _param_entries(plan):
-        by_class.setdefault(type(modules[name]), set()).add(plan[name].policy.comm)
-    names = []
-    for cls, comms in by_class.items():
-        if dtype in comms:
-            if len(comms) > 1:
-                return None
-            full = _class_name(cls)
-            if full is None:
-                return None
-            names.append(full)
-    return sorted(names)
+    text = str(value).lower().removeprefix("torch.")
+    if text not in _DTYPE_FROM_DS:
+        raise ValueError(
+            f"Unknown dtype in base config: {key}={value!r}. Valid: "
+            f"{', '.join(repr(k) for k in _DTYPE_FROM_DS)} or \"auto\""
+        )
+    return _DTYPE_FROM_DS[text]
+
+
+def _stage(config: dict[str, Any]) -> int:
+    value = _section(config, "zero_optimization").get("stage", 0)
+    if value is None or value == "auto":
+        return 0
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value not in (0, 1, 2, 3):
+        raise ValueError("base config: zero_optimization.stage must be 0, 1, 2 or 3. Received: "
+                         f"zero_optimization.stage={value!r}")
+    return value
 
 
 def _contradiction(key: str, base_value: object, plan_value: object) -> ValueError:
@@ -158,128 +270,153 @@ def _contradiction(key: str, base_value: object, plan_value: object) -> ValueErr
     )
 
 
+def _fill(config: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """Set `section.key`, creating the section where the base left it absent or null."""
+    if not isinstance(config.get(section), dict):
+        config[section] = {}
+    config[section][key] = value
+
+
+def _disable(config: dict[str, Any], section: str, plan_needs: str) -> None:
+    """The plan does not use `section`: refuse `enabled: true`, and fill "auto" with false."""
+    if _flag(config, section) is True:
+        raise _contradiction(f"{section}.enabled", _section(config, section)["enabled"],
+                             plan_needs)
+    if _section(config, section).get("enabled") == "auto":
+        _fill(config, section, "enabled", False)
+
+
+# -- one fill per case ----------------------------------------------------------------------------
+
+def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
+    """Uniform bf16 or fp16 storage: DeepSpeed's own bf16 or fp16 section."""
+    (low,) = dsp.storages
+    section, other = ("bf16", "fp16") if low == bf16 else ("fp16", "bf16")
+    needs = f"{section}.enabled (storage {dtype_name(low)})"
+    _disable(config, other, needs)
+    _disable(config, "torch_autocast", needs)
+    if _flag(config, section) is False:
+        raise _contradiction(f"{section}.enabled", _section(config, section)["enabled"], True)
+    _fill(config, section, "enabled", True)
+    if low == fp16:
+        scale = _section(config, section).get("loss_scale", "auto")
+        if scale in (None, "auto"):
+            _fill(config, section, "loss_scale", 0)
+        elif scale != 0:
+            warnings.warn(
+                f"base sets fp16.loss_scale={scale} (static); the plan uses fp16, for which "
+                "adapters turn on dynamic loss scaling. Keeping the base's value.",
+                UserWarning, stacklevel=3,
+            )
+    known = {c for c in dsp.comms if c is not None}
+    if len(known) > 1:
+        widest = max(known, key=lambda d: torch.finfo(d).bits)
+        warnings.warn(
+            f"The plan reduces gradients in several dtypes ({sorted(map(dtype_name, known))}); "
+            f"DeepSpeed's {section} mode reduces all in one. Using {dtype_name(widest)}.",
+            UserWarning, stacklevel=3,
+        )
+        known = {widest}
+    if known and known != {low}:
+        (comm,) = known
+        given = _dtype(config.get("communication_data_type"), "communication_data_type")
+        if given is not None and given != comm:
+            raise _contradiction("communication_data_type", config["communication_data_type"],
+                                 SHORT[comm])
+        config["communication_data_type"] = SHORT[comm]
+
+
+def _fill_fp32(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
+    """fp32 everywhere: no precision section."""
+    for section in _PRECISION_SECTIONS:
+        _disable(config, section, "fp32 training (no section)")
+
+
+def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
+    """fp32 storage with fp16/bf16 compute: the torch_autocast section."""
+    if len(dsp.low_compute) > 1:
+        raise ValueError(
+            "The plan computes in both fp16 and bf16 over fp32 storage; DeepSpeed's "
+            "torch_autocast takes one dtype. Annotate one low-precision compute dtype."
+        )
+    (dtype,) = dsp.low_compute
+    if dtype == fp16 and stage >= 1 and fp16_autocast_zero_broken():
+        raise ValueError(
+            f"fp16 compute over fp32 storage maps to torch_autocast dtype float16, and with "
+            f"zero_optimization.stage={stage} deepspeed {deepspeed_version()} does not update "
+            "the parameters (see the DeepSpeed guide). Use ZeRO stage 0, bf16 compute, or "
+            "uniform fp16 storage (the fp16 section) without fp32 islands."
+        )
+    needs = f"torch_autocast (fp32 storage, {dtype_name(dtype)} compute)"
+    for section in ("bf16", "fp16"):
+        _disable(config, section, needs)
+    if _flag(config, "torch_autocast") is False:
+        raise _contradiction("torch_autocast.enabled",
+                             _section(config, "torch_autocast")["enabled"], True)
+    _fill(config, "torch_autocast", "enabled", True)
+    given = _section(config, "torch_autocast").get("dtype")
+    if _dtype(given, "torch_autocast.dtype") not in (None, dtype):
+        raise _contradiction("torch_autocast.dtype", given, _AUTOCAST_DTYPE[dtype])
+    _fill(config, "torch_autocast", "dtype", _AUTOCAST_DTYPE[dtype])
+    listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
+    if listed not in (None, "auto"):
+        _check_user_classes(dsp, listed, dtype)
+    else:
+        classes = safe_classes(dsp, dtype)
+        # [] when per-parameter comm_dtype (set by prepare) is needed: DeepSpeed's default list
+        # would otherwise tag every Linear and Conv with the autocast dtype.
+        _fill(config, "torch_autocast", "lower_precision_safe_modules",
+              classes if classes is not None else [])
+    if stage == 0 and len(dsp.comms - {None}) > 1:
+        warnings.warn(
+            "ZeRO stage 0 reduces every gradient in the parameter dtype; the plan's per-module "
+            "comm dtypes take effect with ZeRO stages 1-3.",
+            UserWarning, stacklevel=3,
+        )
+
+
+_FILLS: dict[Case, Callable[[dict[str, Any], DeepSpeedPlan, int], None]] = {
+    "low_storage": _fill_low_storage,
+    "fp32": _fill_fp32,
+    "autocast": _fill_autocast,
+}
+
+
 def to_config(
-    model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None
+    model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, base: BaseConfig = None
 ) -> dict[str, Any]:
     """A DeepSpeed config for the plan: `base`, with the precision sections it leaves empty filled.
 
+    `base` is read as DeepSpeed reads it: a file may carry comments (hjson), a `null` section
+    is an empty one, `"auto"` values are filled from the plan, and booleans may be strings
+    such as "false".
+
     Args:
-        model_or_plan: a model (resolved here) or a `PrecisionPlan`.
-        base: the user's config, as a dict or a path to a JSON file; its settings win where they
-            do not contradict the plan. (Default: None)
+        model_or_plan: a model (resolved here), a `PrecisionPlan`, or `translate`'s result.
+        base: the user's config, as a dict or a path to a JSON or hjson file; its settings win
+            where they do not contradict the plan. (Default: None)
 
     Returns:
         A new dict; `base` is not modified. Call `prepare(model)` before `deepspeed.initialize`.
 
     Raises:
-        ValueError: where `base` contradicts the plan (the message names the keys), or names an
-            unknown dtype; or when the plan computes in both fp16 and bf16 over fp32 storage.
+        ValueError: where `base` contradicts the plan or holds a value DeepSpeed would not read
+            (the message names the key); or when the plan computes in both fp16 and bf16 over
+            fp32 storage.
     """
     config = _load_base(base)
-    source = _plan_of(model_or_plan)
-    plan = deepspeed_plan(source)
-    names = _param_entries(plan)
-    storages = {plan[n].policy.storage for n in names} - {None}
-    computes = {e.policy.compute for e in plan.values() if e.policy.compute is not None}
-    comms = {plan[n].policy.comm for n in names}
-    low_compute: set[torch.dtype] = {c for c in computes if c in LOW_PRECISION}
-    stage = int(config.get("zero_optimization", {}).get("stage", 0) or 0)
-
-    if "communication_data_type" in config:
-        _ds_dtype(config["communication_data_type"], "communication_data_type")
-    base_autocast = config.get("torch_autocast", {})
-    if "dtype" in base_autocast:
-        _ds_dtype(base_autocast["dtype"], "torch_autocast.dtype")
-
-    if storages and storages <= LOW_PRECISION:
-        (low,) = storages  # deepspeed_plan left one storage dtype
-        section, other = ("bf16", "fp16") if low == bf16 else ("fp16", "bf16")
-        if config.get(other, {}).get("enabled"):
-            raise _contradiction(f"{other}.enabled", True, f"{section}.enabled (storage "
-                                 f"{dtype_name(low)})")
-        if base_autocast.get("enabled"):
-            raise _contradiction("torch_autocast.enabled", True,
-                                 f"{section}.enabled (storage {dtype_name(low)})")
-        sec = config.setdefault(section, {})
-        if sec.get("enabled") is False:
-            raise _contradiction(f"{section}.enabled", False, True)
-        sec["enabled"] = True
-        if low == fp16:
-            sec.setdefault("loss_scale", 0)
-            if sec["loss_scale"] != 0:
-                warnings.warn(
-                    f"base sets fp16.loss_scale={sec['loss_scale']} (static); the plan uses fp16, "
-                    "for which adapters turn on dynamic loss scaling. Keeping the base's value.",
-                    UserWarning, stacklevel=2,
-                )
-        known = {c for c in comms if c is not None}
-        if len(known) > 1:
-            widest = max(known, key=lambda d: torch.finfo(d).bits)
-            warnings.warn(
-                f"The plan reduces gradients in several dtypes ({sorted(map(dtype_name, known))}); "
-                f"DeepSpeed's {section} mode reduces all in one. Using {dtype_name(widest)}.",
-                UserWarning, stacklevel=2,
-            )
-            known = {widest}
-        if known and known != {low}:
-            (comm,) = known
-            if "communication_data_type" in config:
-                if _ds_dtype(config["communication_data_type"], "communication_data_type") != comm:
-                    raise _contradiction("communication_data_type",
-                                         config["communication_data_type"], _DS_DTYPE[comm])
-            else:
-                config["communication_data_type"] = _DS_DTYPE[comm]
-        return config
-
-    if not low_compute:
-        for section in ("bf16", "fp16"):
-            if config.get(section, {}).get("enabled"):
-                raise _contradiction(f"{section}.enabled", True, "fp32 training (no section)")
-        return config
-
-    if len(low_compute) > 1:
-        raise ValueError(
-            "The plan computes in both fp16 and bf16 over fp32 storage; DeepSpeed's torch_autocast "
-            "takes one dtype. Annotate one low-precision compute dtype."
-        )
-    (dtype,) = low_compute
-    if dtype == fp16 and stage >= 1 and _fp16_autocast_zero_broken():
-        raise ValueError(
-            f"fp16 compute over fp32 storage maps to torch_autocast dtype float16, and with "
-            f"zero_optimization.stage={stage} deepspeed {_deepspeed_version()} does not update "
-            "the parameters: measured on CPU, the loss of a 2-layer MLP stays at 1.0641 for 5 "
-            "steps with plain DeepSpeed (no adapter), while bf16 and ZeRO stage 0 train. "
-            "Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 section) "
-            "without fp32 islands."
-        )
-    for section in ("bf16", "fp16"):
-        if config.get(section, {}).get("enabled"):
-            raise _contradiction(f"{section}.enabled", True,
-                                 f"torch_autocast (fp32 storage, {dtype_name(dtype)} compute)")
-    section = config.setdefault("torch_autocast", {})
-    if section.get("enabled") is False:
-        raise _contradiction("torch_autocast.enabled", False, True)
-    section["enabled"] = True
-    if "dtype" in section and _ds_dtype(section["dtype"], "torch_autocast.dtype") != dtype:
-        raise _contradiction("torch_autocast.dtype", section["dtype"], _AUTOCAST_DTYPE[dtype])
-    section["dtype"] = _AUTOCAST_DTYPE[dtype]
-    if "lower_precision_safe_modules" in section:
-        _check_user_classes(plan, section["lower_precision_safe_modules"], dtype)
-    else:
-        classes = _safe_classes(plan, dtype)
-        # [] when per-parameter comm_dtype (set by prepare) is needed: DeepSpeed's default list
-        # would otherwise tag every Linear and Conv with the autocast dtype.
-        section["lower_precision_safe_modules"] = classes if classes is not None else []
-    if stage == 0 and len(comms - {None}) > 1:
-        warnings.warn(
-            "ZeRO stage 0 reduces every gradient in the parameter dtype; the plan's per-module "
-            "comm dtypes take effect with ZeRO stages 1-3.",
-            UserWarning, stacklevel=2,
-        )
+    dsp = translate(model_or_plan)
+    stage = _stage(config)
+    _dtype(config.get("communication_data_type"), "communication_data_type")
+    _dtype(_section(config, "torch_autocast").get("dtype"), "torch_autocast.dtype")
+    _FILLS[dsp.case](config, dsp, stage)
+    for section in _PRECISION_SECTIONS:  # DeepSpeed cannot read a null torch_autocast
+        if section in config and config[section] is None:
+            del config[section]
     return config
 
 
-def _deepspeed_version() -> str:
+def deepspeed_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -288,46 +425,43 @@ def _deepspeed_version() -> str:
         return "unknown"
 
 
-def _fp16_autocast_zero_broken() -> bool:
+def fp16_autocast_zero_broken() -> bool:
     """True for the DeepSpeed versions seen to drop fp16 torch_autocast updates under ZeRO 1-3."""
-    found = _deepspeed_version()
+    found = deepspeed_version()
     if found == "unknown":
         return True
     parts = tuple(int(x) for x in found.split("+")[0].split(".")[:3] if x.isdigit())
     return parts <= (0, 19, 8)
 
 
-def _check_user_classes(plan: PrecisionPlan, listed: object, dtype: torch.dtype) -> None:
+def _check_user_classes(dsp: DeepSpeedPlan, listed: object, dtype: torch.dtype) -> None:
     if not isinstance(listed, list) or not all(isinstance(x, str) for x in listed):
         raise TypeError(
             "torch_autocast.lower_precision_safe_modules must be a list of 'package.Class' names. "
             f"Received: {listed!r}"
         )
-    modules = plan.modules()
+    plan = dsp.plan
     for name in _param_entries(plan):
-        cls = type(modules[name]) if modules else None
-        if cls is None:
-            return
-        full = f"{cls.__module__}.{cls.__qualname__}"
         comm = plan[name].policy.comm
-        if full in listed and comm != dtype:
+        if plan[name].type in listed and comm != dtype:
             raise _contradiction(
                 "torch_autocast.lower_precision_safe_modules",
-                f"{full} (reduced in {dtype_name(dtype)})",
+                f"{plan[name].type} (reduced in {dtype_name(dtype)})",
                 f"{name!r} reduced in {dtype_name(comm)}",
             )
 
 
-def prepare(model: nn.Module, plan: PrecisionPlan | None = None) -> nn.Module:
+def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None) -> nn.Module:
     """Make the plan real on `model` for DeepSpeed; call it before `deepspeed.initialize`.
 
-    It applies the plan DeepSpeed can run (see `to_config`: mixed storage becomes fp32 storage
+    It applies the plan DeepSpeed can run (see `translate`: mixed storage becomes fp32 storage
     with per-module compute, with a warning), and sets each parameter's `comm_dtype` attribute,
     which DeepSpeed's ZeRO 1-3 reduce in under `torch_autocast`.
 
     Args:
         model: the model, not yet handed to DeepSpeed.
-        plan: its plan; resolved from `model` when None. (Default: None)
+        plan: its plan, or `translate`'s result (then the warning is not repeated); resolved
+            from `model` when None. (Default: None)
 
     Returns:
         `model`.
@@ -337,15 +471,10 @@ def prepare(model: nn.Module, plan: PrecisionPlan | None = None) -> nn.Module:
             f"prepare expects an nn.Module. Received: model={model!r} "
             f"(of type {type(model).__name__})"
         )
-    plan = resolve(model) if plan is None else plan
-    if not isinstance(plan, PrecisionPlan):
-        raise TypeError(
-            f"plan must be a PrecisionPlan. Received: plan={plan!r} (of type {type(plan).__name__})"
-        )
-    run_plan = deepspeed_plan(plan)
-    apply(model, run_plan)  # checks the plan belongs to this model, naming missing modules
+    dsp = translate(model if plan is None else plan)
+    apply(model, dsp.plan)  # checks the plan belongs to this model, naming missing modules
     for name, module in model.named_modules():
-        comm = run_plan[name].policy.comm
+        comm = dsp.plan[name].policy.comm
         for p in module.parameters(recurse=False):
             if comm is not None:
                 p.comm_dtype = comm

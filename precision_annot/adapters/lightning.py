@@ -19,11 +19,12 @@ from torch import nn
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from precision_annot.boundary import autocast_context
 from precision_annot.casting import cast_tree
 from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import SpecLike, as_policy
-from precision_annot.resolution import autocast_mode, resolve
-from precision_annot.runtime import _autocast, apply
+from precision_annot.policy import SpecLike, as_policy, autocast_mode
+from precision_annot.resolution import resolve
+from precision_annot.runtime import apply
 
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
@@ -127,7 +128,8 @@ class _Annotated:
         if self.plan is None:
             return contextlib.nullcontext()
         root = self.plan.root.policy
-        return _autocast(autocast_mode(root), self._device or "cpu", root.compute, False)
+        context = autocast_context(autocast_mode(root), self._device or "cpu", root.compute)
+        return context or contextlib.nullcontext()
 
 
 def _lightning_name(compute: torch.dtype | None, storage: torch.dtype | None) -> str:
@@ -177,10 +179,11 @@ class AnnotatedPrecision(_Annotated, _TrainerPrecision):
         from precision_annot.adapters import deepspeed as ds_adapter
 
         plan = self._given_plan or resolve(module, self._default)
-        config = ds_adapter.to_config(plan, strategy.config)
+        translated = ds_adapter.translate(plan)
+        config = ds_adapter.to_config(translated, strategy.config)
         strategy.config.clear()
         strategy.config.update(config)
-        ds_adapter.prepare(module, plan)
+        ds_adapter.prepare(module, translated)
         self.plan, self._deepspeed = plan, True
         param = next(module.parameters(), None)
         self._device = self._device or (param.device.type if param is not None else "cpu")

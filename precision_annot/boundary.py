@@ -1,0 +1,637 @@
+"""What runs at every call of a boundary: cast in, set autocast, run, cast out.
+
+`apply` decides everything it can once: each boundary's `BoundarySpec` (the entry dtype, the
+autocast mode, the exit dtype, the arguments kept as they are) and whether the call can take
+the fast path (one tensor argument, nothing kept, nothing checked, no parameter to cast).
+The per-call code here only reads those decisions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from typing_extensions import ParamSpec
+
+from precision_annot.casting import Copies, cast_tree, check_tree, first_floating
+from precision_annot.dtypes import dtype_name, wider
+from precision_annot.policy import AutocastMode, Policy
+
+__all__ = ["Boundary", "BoundarySpec", "CastingDict", "Region", "autocast_context",
+           "device_type_of", "in_applied_forward", "wrap_function"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_NULL = contextlib.nullcontext()
+
+
+# -- autocast and device --------------------------------------------------------------------------
+
+_AUTOCAST_DEVICES: dict[str, bool] = {
+    d: torch.amp.is_autocast_available(d)
+    for d in ("cpu", "cuda", "meta", "xpu", "mps", "hpu", "xla", "mtia", "privateuseone")
+}
+
+
+def autocast_context(
+    mode: AutocastMode, device_type: str, dtype: torch.dtype | None, compiling: bool = False
+) -> contextlib.AbstractContextManager[Any] | None:
+    """The autocast context a region with this autocast mode needs, or None when nothing has
+    to change (entering autocast costs about 7 us even when it changes nothing), or when the
+    device has no autocast (meta tensors)."""
+    if mode is None:
+        return None
+    available = _AUTOCAST_DEVICES.get(device_type)
+    if available is None:
+        available = _AUTOCAST_DEVICES[device_type] = torch.amp.is_autocast_available(device_type)
+    if not available:
+        return None
+    if not compiling:
+        enabled = torch.is_autocast_enabled(device_type)
+        if mode == "off" and not enabled:
+            return None
+        if mode == "autocast" and enabled and torch.get_autocast_dtype(device_type) == dtype:
+            return None
+    if mode == "autocast":
+        return torch.autocast(device_type, dtype=dtype, enabled=True)
+    return torch.autocast(device_type, enabled=False)
+
+
+def device_type_of(
+    first: torch.Tensor | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    module: nn.Module | None = None,
+) -> str:
+    """The device of the first floating input, else of any tensor argument (token ids count),
+    else of the module's weights, else "cpu".
+
+    Autocast is per device type: a GPU model whose root takes integer tokens must still get
+    CUDA autocast, not CPU autocast.
+    """
+    if first is not None:
+        return first.device.type
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    if module is not None:
+        for tensor in (*module.parameters(), *module.buffers()):
+            return tensor.device.type
+    return "cpu"
+
+
+def _traced(what: str, name: str) -> contextlib.AbstractContextManager[Any]:
+    """A named profiler range for a boundary cast, only while a profiler is recording."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(f"precision_annot::{what}[{name}]")
+    return _NULL
+
+
+# -- parameters and buffers seen in the compute dtype ---------------------------------------------
+
+_tls = threading.local()
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    """The modules a boundary runs whose parameters or buffers differ from its compute dtype.
+
+    While the boundary's forward runs in a thread, each of those tensors is seen there as a
+    copy in the compute dtype, made on first access and shared for the rest of the call; its
+    gradient lands in the tensor's own dtype. Nothing is swapped on the module, so another
+    thread running the same model at the same time sees its own copies, or none.
+
+    Attributes:
+        compute: the dtype the tensors are seen in.
+        members: (path relative to the boundary module, "param" or "buffer", name, upcast
+            only): the tensors to cast. Non-persistent buffers are only cast up, never down.
+    """
+
+    compute: torch.dtype
+    members: tuple[tuple[str, str, str, bool], ...]
+
+    def needs(self, tensor: torch.Tensor, upcast_only: bool) -> bool:
+        if not tensor.is_floating_point() or tensor.dtype == self.compute:
+            return False
+        return wider(self.compute, tensor.dtype) if upcast_only else True
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Cast this region's tensors, in this thread, until the block ends."""
+        caches: dict[Region, dict[tuple[int, str], Cached]] | None
+        caches = getattr(_tls, "caches", None)
+        if caches is None:
+            caches = _tls.caches = {}
+        outer = caches.get(self)
+        cache = caches[self] = {} if outer is None else outer
+        try:
+            yield
+        finally:
+            if outer is None:
+                del caches[self]
+                _write_back(cache.values())
+
+    @contextlib.contextmanager
+    def swapped(self, module: nn.Module) -> Iterator[None]:
+        """Cast this region's tensors by replacing them on the modules for the block.
+
+        Only for a module no other thread runs meanwhile: inside `torch.compile` (traced
+        once, functionally) and in a DataParallel replica (one thread per replica)."""
+        saved: list[tuple[nn.Module, str, str, Cached]] = []
+        try:
+            for path, kind, name, upcast_only in self.members:
+                owner = module.get_submodule(path)
+                tensor = get_tensor(owner, kind, name)
+                if tensor is not None and self.needs(tensor, upcast_only):
+                    cast = tensor.to(self.compute)
+                    set_tensor(owner, kind, name, cast)
+                    saved.append((owner, kind, name, (tensor, cast, kind == "buffer")))
+            yield
+        finally:
+            for owner, kind, name, (tensor, _, _) in saved:
+                set_tensor(owner, kind, name, tensor)
+            if not torch.compiler.is_compiling():
+                _write_back(entry for *_, entry in saved)
+
+
+# (the tensor, its copy in the compute dtype, whether it is a buffer)
+Cached = tuple[torch.Tensor, torch.Tensor, bool]
+
+
+def _write_back(entries: Iterable[Cached]) -> None:
+    """Nothing written is lost: a copy changed in place is written back into the tensor it was
+    made from, in that tensor's dtype. Buffers are compared by value, since native kernels
+    update BatchNorm's running statistics without bumping the version counter."""
+    for original, cast, is_buffer in entries:
+        if cast is original or cast.is_inference():
+            continue
+        if cast._version > 0 or is_buffer:
+            with torch.no_grad():
+                value = cast.to(original.dtype)
+                if not torch.equal(value, original):
+                    original.copy_(value)
+
+
+class CastingDict(dict[str, Any]):
+    """`module._parameters` or `module._buffers` of a module in a `Region`: while that region is
+    active in the current thread, reading a tensor gives its copy in the compute dtype.
+
+    `nn.Module.__getattr__` reads parameters and buffers through `__getitem__`, so
+    `self.weight` inside the forward sees the copy; `named_parameters`, `state_dict` and
+    optimizers iterate the dict and see the real tensors. Installed and removed by `apply`
+    and `remove` (the only place this package replaces a module's `_parameters` or
+    `_buffers`).
+    """
+
+    __slots__ = ("region", "upcast_only")
+
+    def __init__(self, items: dict[str, Any], region: Region, upcast_only: frozenset[str]):
+        super().__init__(items)
+        self.region = region
+        self.upcast_only = upcast_only
+
+    def __getitem__(self, name: str) -> Any:
+        value = dict.__getitem__(self, name)
+        if value is None or torch.compiler.is_compiling():
+            return value
+        caches = getattr(_tls, "caches", None)
+        cache = caches.get(self.region) if caches else None
+        if cache is None:
+            return value
+        key = (id(self), name)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        if not self.region.needs(value, name in self.upcast_only):
+            return value
+        cast = value.to(self.region.compute)
+        cache[key] = (value, cast, not isinstance(value, nn.Parameter))
+        return cast
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CastingDict, (dict(self), self.region, self.upcast_only))
+
+
+def get_tensor(owner: nn.Module, kind: str, name: str) -> torch.Tensor | None:
+    """A parameter or buffer as the module's forward reads it; in a DataParallel replica,
+    parameters are plain attributes."""
+    # NOTE: read through the dicts directly (not getattr) so that a CastingDict gives the
+    # real tensor: dict.get does not call __getitem__.
+    if name in owner.__dict__:
+        value = owner.__dict__[name]
+        return value if isinstance(value, torch.Tensor) else None
+    store = owner.__dict__["_parameters" if kind == "param" else "_buffers"]
+    value = dict.get(store, name)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def set_tensor(owner: nn.Module, kind: str, name: str, value: torch.Tensor) -> None:
+    """Put `value` where `get_tensor` found the tensor, bypassing `nn.Module.__setattr__`
+    (which refuses a non-Parameter in place of a parameter)."""
+    # NOTE: the one place this package writes module._parameters / _buffers entries.
+    if name in owner.__dict__:
+        owner.__dict__[name] = value
+        return
+    store = owner.__dict__["_parameters" if kind == "param" else "_buffers"]
+    dict.__setitem__(store, name, value)
+
+
+# -- the boundary ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class BoundarySpec:
+    """What one boundary does; fixed at apply time so that a call only reads it.
+
+    Attributes:
+        name: the module's qualified name, for messages and profiler ranges.
+        compute: the dtype floating inputs are cast to at entry; None leaves them.
+        mode: "autocast", "off" or None (see `autocast_mode`).
+        exit: the dtype floating outputs are cast to at exit; None leaves them, unless
+            `exit_to_input`.
+        exit_to_input: cast outputs back to the dtype of the first floating input.
+        keep_positions: positional indexes never cast (negative ones count from the end).
+        keep_names: keyword names never cast.
+        check: raise on non-finite values crossing, forward and backward.
+    """
+
+    name: str
+    compute: torch.dtype | None
+    mode: AutocastMode
+    exit: torch.dtype | None
+    exit_to_input: bool = False
+    keep_positions: frozenset[int] = frozenset()
+    keep_names: frozenset[str] = frozenset()
+    check: bool = False
+
+    def describe(self) -> str:
+        parts = [f"compute={dtype_name(self.compute)}", f"autocast={self.mode or 'as caller'}"]
+        exit_to = "input dtype" if self.exit_to_input else dtype_name(self.exit)
+        parts.append(f"exit={exit_to}")
+        if self.keep_positions or self.keep_names:
+            parts.append(f"keep={sorted(map(str, self.keep_positions | self.keep_names))}")
+        return ", ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A tensor of the boundary's region and its planned dtype, to explain dtype errors."""
+
+    path: str
+    kind: str
+    name: str
+    dtype: torch.dtype
+
+
+class DriftError(RuntimeError):
+    """A boundary failed because its parameters are no longer in their planned dtypes."""
+
+
+class Boundary:
+    """The forward of one boundary module: cast in, set autocast, run, cast out.
+
+    It replaces the module's `forward` as an instance attribute, so modules that are not
+    boundaries run untouched. It carries the signature, name and docstring of the forward it
+    wraps, as `functools.wraps` would (Hugging Face's Trainer reads the signature to pick the
+    batch columns it passes). `remove` takes it off again, or, when another library has
+    wrapped it meanwhile (Accelerate's autocast wrapper), turns it into a pass-through.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        spec: BoundarySpec,
+        *,
+        inner: Callable[..., Any] | None = None,
+        region: Region | None = None,
+        planned: tuple[Planned, ...] = (),
+        exclusive: bool = False,
+    ) -> None:
+        self.module = module
+        self.inner = inner
+        self.configure(spec, region, planned)
+        self.exclusive = exclusive  # a DataParallel replica: one thread runs it
+        self._warned: set[str] = set()
+        self.__qualname__ = getattr(self._target(), "__qualname__", "forward")
+
+    def configure(self, spec: BoundarySpec | None, region: Region | None,
+                  planned: tuple[Planned, ...]) -> None:
+        """Set what this boundary does; `spec=None` makes it a pass-through."""
+        self.spec = spec
+        self.region = region
+        self.planned = planned
+        self.fast = (spec is not None and region is None and not spec.check
+                     and not spec.keep_positions and not spec.keep_names)
+
+    @property
+    def active(self) -> bool:
+        return self.spec is not None
+
+    def rebound(self, module: nn.Module) -> Boundary:
+        """This boundary for a DataParallel replica of its module."""
+        return Boundary(module, self.spec, inner=self.inner, region=self.region,  # type: ignore[arg-type]
+                        planned=self.planned, exclusive=True)
+
+    # functools.wraps, computed when asked, so that nothing here holds a bound method
+    def _target(self) -> Callable[..., Any]:
+        if self.inner is not None:
+            return self.inner
+        return types.MethodType(type(self.module).forward, self.module)
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._target()
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self._target())
+
+    @property
+    def __name__(self) -> str:
+        return getattr(self._target(), "__name__", "forward")
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return getattr(self._target(), "__doc__", None)
+
+    def __repr__(self) -> str:
+        spec = self.spec
+        name = self.module.__class__.__name__
+        if spec is None:
+            return f"Boundary({name}, removed)"
+        return f"Boundary({spec.name or '(root)'!r}, {spec.describe()})"
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        spec = self.spec
+        if spec is None:
+            return self._run(*args, **kwargs)
+        if (self.fast and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+                and not torch.autograd.profiler._is_profiler_enabled
+                and not torch.compiler.is_compiling()):
+            return self._call_one(args[0], spec)
+        return self._call(args, kwargs, spec)
+
+    def _call_one(self, x: torch.Tensor, spec: BoundarySpec) -> Any:
+        """The fast path: one tensor in, nothing kept or checked, no parameter to cast."""
+        floating = x.is_floating_point()
+        source = x.dtype
+        cast = None
+        if floating and spec.compute is not None and source != spec.compute:
+            x = cast = x.to(spec.compute)
+        context = autocast_context(spec.mode, x.device.type, spec.compute)
+        try:
+            if context is None:
+                out = self._run(x)
+            else:
+                with context:
+                    out = self._run(x)
+        except RuntimeError as e:
+            self._explain(e)
+            raise
+        if cast is not None and not cast.is_inference() and cast._version > 0:
+            self._warn_modified("argument 0")
+        target = spec.exit
+        if spec.exit_to_input:
+            target = source if floating else None
+        if isinstance(out, torch.Tensor):
+            if target is not None and out.is_floating_point() and out.dtype != target:
+                return out.to(target)
+            return out
+        return self._exit(out, target, spec, context_of=(spec.mode, x.device.type))
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: BoundarySpec) -> Any:
+        compiling = torch.compiler.is_compiling()
+        check = spec.check and not compiling
+        first = None
+        if spec.mode is not None or spec.exit_to_input or spec.compute is not None:
+            first = first_floating((args, kwargs))
+        copies: Copies | None = None if compiling else []
+        if spec.compute is not None:
+            with _traced("cast_inputs", spec.name):
+                args, kwargs = self._cast_inputs(args, kwargs, spec, copies)
+        if check:
+            check_tree((args, kwargs), spec.name, "entry")
+        device = device_type_of(first, args, kwargs, self.module)
+        context = autocast_context(spec.mode, device, spec.compute, compiling)
+        region: contextlib.AbstractContextManager[Any] = _NULL
+        if self.region is not None:
+            swap = compiling or self.exclusive
+            region = self.region.swapped(self.module) if swap else self.region.active()
+        try:
+            with region, (context or _NULL):
+                out = self._run(*args, **kwargs)
+        except RuntimeError as e:
+            self._explain(e)
+            raise
+        for label, cast in copies or ():
+            if not cast.is_inference() and cast._version > 0:
+                self._warn_modified(label)
+        target = spec.exit
+        if spec.exit_to_input:
+            target = first.dtype if first is not None else None
+        return self._exit(out, target, spec, context_of=(spec.mode, device), check=check)
+
+    def _cast_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: BoundarySpec,
+        copies: Copies | None,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        dtype = spec.compute
+        assert dtype is not None
+        keep = spec.keep_positions
+        n = len(args)
+        new_args = tuple(
+            a if (i in keep or i - n in keep) else cast_tree(a, dtype, copies, f"argument {i}")
+            for i, a in enumerate(args)
+        )
+        new_kwargs = {
+            k: v if k in spec.keep_names else cast_tree(v, dtype, copies, f"argument {k!r}")
+            for k, v in kwargs.items()
+        }
+        return new_args, new_kwargs
+
+    def _exit(self, out: Any, target: torch.dtype | None, spec: BoundarySpec,
+              context_of: tuple[AutocastMode, str], check: bool = False) -> Any:
+        if isinstance(out, types.GeneratorType):
+            return self._generator(out, target, spec, context_of)
+        if target is not None:
+            with _traced("cast_outputs", spec.name):
+                out = cast_tree(out, target)
+        if check:
+            check_tree(out, spec.name, "exit")
+        return out
+
+    def _generator(
+        self, gen: Generator[Any, Any, Any], target: torch.dtype | None, spec: BoundarySpec,
+        context_of: tuple[AutocastMode, str],
+    ) -> Generator[Any, Any, Any]:
+        """A generator returned by the forward runs later, in the caller's code: run each
+        step under this boundary's autocast state and cast each item at exit."""
+        mode, device = context_of
+        while True:
+            context = autocast_context(mode, device, spec.compute)
+            region = _NULL if self.region is None else (
+                self.region.swapped(self.module) if self.exclusive else self.region.active()
+            )
+            with region, (context or _NULL):
+                try:
+                    item = next(gen)
+                except StopIteration as stop:
+                    return stop.value
+            yield item if target is None else cast_tree(item, target)
+
+    def _warn_modified(self, label: str) -> None:
+        if label in self._warned:
+            return
+        self._warned.add(label)
+        spec = self.spec
+        assert spec is not None
+        warnings.warn(
+            f"Module {spec.name or '(root)'!r} modified its {label} in place, but that argument "
+            f"is a copy cast to {dtype_name(spec.compute)} at the module's boundary, so the "
+            "caller does not see the change. To pass it through uncast (a cache, a buffer "
+            f"written in place), name it in keep_dtype: precision(..., keep_dtype=(...)).",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _explain(self, error: RuntimeError) -> None:
+        """Re-raise a failure as a `DriftError` when this boundary's parameters are no longer in
+        their planned dtypes (after `.half()`, `.to(dtype)`, `load_state_dict(assign=True)`)."""
+        if isinstance(error, DriftError) or not self.planned:
+            return
+        drifted = []
+        for item in self.planned:
+            try:
+                owner = self.module.get_submodule(item.path)
+            except AttributeError:
+                continue
+            tensor = get_tensor(owner, item.kind, item.name)
+            if tensor is not None and tensor.dtype != item.dtype:
+                where = f"{item.path}.{item.name}" if item.path else item.name
+                drifted.append(f"{where} is {dtype_name(tensor.dtype)}, planned "
+                               f"{dtype_name(item.dtype)}")
+        if not drifted:
+            return
+        spec = self.spec
+        assert spec is not None
+        more = f" (and {len(drifted) - 3} more)" if len(drifted) > 3 else ""
+        raise DriftError(
+            f"Module {spec.name or '(root)'!r} failed with tensors that are no longer in their "
+            f"planned dtypes: {'; '.join(drifted[:3])}{more}. Something changed them after "
+            "apply (model.half(), model.to(dtype), load_state_dict(assign=True), ...). Call "
+            f"precision_annot.apply(model, plan) again to restore the plan. The error was: "
+            f"{error}"
+        ) from error
+
+
+# -- the function form ----------------------------------------------------------------------------
+
+def keep_binding(
+    fn: Callable[..., Any], keep: tuple[str | int, ...], what: str, *, method: bool = False
+) -> tuple[frozenset[int], frozenset[str]]:
+    """Bind `keep_dtype` entries to `fn`'s parameters: a name keeps the argument whether it is
+    passed by keyword or by position, and so does an index.
+
+    Raises `ValueError` for a name `fn` does not take (unless it takes **kwargs)."""
+    if not keep:
+        return frozenset(), frozenset()
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    if method and params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        params = params[1:]  # self
+    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    by_name = {p.name: p for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                                           inspect.Parameter.VAR_KEYWORD)}
+    takes_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    positions: set[int] = set()
+    names: set[str] = set()
+    for k in keep:
+        if isinstance(k, int):
+            positions.add(k)
+            if 0 <= k < len(positional) and positional[k].kind != inspect.Parameter.POSITIONAL_ONLY:
+                names.add(positional[k].name)
+            continue
+        param = by_name.get(k)
+        if param is None:
+            if not takes_kwargs and params:
+                raise ValueError(
+                    f"keep_dtype names {k!r}, but {what} takes no argument of that name. "
+                    f"Valid names: {', '.join(repr(n) for n in by_name) or 'none'}"
+                )
+            names.add(k)
+            continue
+        if param.kind != inspect.Parameter.POSITIONAL_ONLY:
+            names.add(k)
+        if param in positional:
+            positions.add(positional.index(param))
+    return frozenset(positions), frozenset(names)
+
+
+def wrap_function(
+    fn: Callable[P, R], policy: Policy, keep: tuple[str | int, ...]
+) -> Callable[P, R]:
+    """The function form of `precision`: cast in, disable autocast, run, cast back out."""
+    positions, names = keep_binding(fn, keep, f"function {getattr(fn, '__qualname__', fn)!r}")
+    spec = BoundarySpec(name=getattr(fn, "__qualname__", "function"), compute=policy.compute,
+                        mode="off", exit=policy.output, keep_positions=positions,
+                        keep_names=names)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        first = first_floating((args, kwargs))
+        if spec.compute is not None:
+            n = len(args)
+            args = tuple(a if (i in positions or i - n in positions) else
+                         cast_tree(a, spec.compute) for i, a in enumerate(args))
+            kwargs = {k: v if k in names else cast_tree(v, spec.compute)
+                      for k, v in kwargs.items()}
+        device = device_type_of(first, args, kwargs)
+        context = autocast_context("off", device, None, torch.compiler.is_compiling())
+        with context or _NULL:
+            out = fn(*args, **kwargs)
+        target = spec.exit or (first.dtype if first is not None else None)
+        return out if target is None else cast_tree(out, target)
+
+    wrapper.__precision_annot_policy__ = policy  # type: ignore[attr-defined]
+    return wrapper
+
+
+# -- where are we ---------------------------------------------------------------------------------
+
+_FORWARD_CODES = frozenset({
+    Boundary.__call__.__code__, Boundary._call.__code__, Boundary._call_one.__code__,
+    Boundary._generator.__code__,
+})
+
+
+def in_applied_forward() -> bool:
+    """True when the current thread is inside the forward of an applied boundary.
+
+    It walks the Python stack, so it costs nothing while forwards run; `precision_scope`
+    calls it once on entry.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _FORWARD_CODES:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
