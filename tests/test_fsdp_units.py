@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -85,7 +86,31 @@ def test_bad_input(group: None) -> None:
     from precision_annot import PrecisionPlan
 
     loaded = PrecisionPlan.from_json(resolve(nn.Linear(2, 2)).to_json())
-    with pytest.raises(ValueError, match="resolved from the model"):
-        fsdp.wrap_policy(loaded)
     with pytest.raises(RuntimeError, match="does not hold its model"):
         ddp.comm_hook(loaded)
+
+
+def _fsdp1_units(model: nn.Module, policy: Any) -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    return sorted(fsdp.plan_name(n) for n, m in wrapped.named_modules()
+                  if isinstance(m, FSDP) and n)
+
+
+def test_wrap_policy_matches_units_by_name_on_a_copy_or_a_loaded_plan(group: None) -> None:
+    """0.1 matched modules by identity: on a copy it picked no unit, so FSDP1 wrapped only the
+    root and the fp32 island crashed."""
+    import copy
+
+    from precision_annot import PrecisionPlan, apply
+
+    model = nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4)), nn.Linear(4, 4))
+    plan = resolve(model, default=Policy(compute=bf16, storage=fp32))
+    twin = copy.deepcopy(model)
+    loaded = PrecisionPlan.from_json(plan.to_json())
+    for target, policy_plan in ((twin, plan), (copy.deepcopy(model), loaded)):
+        apply(target, policy_plan)
+        assert _fsdp1_units(target, fsdp.wrap_policy(policy_plan)) == ["1"]
+    with pytest.raises(ValueError, match=r"does not match the model.*no module named '1'"):
+        _fsdp1_units(nn.Sequential(nn.Linear(4, 4)), fsdp.wrap_policy(plan))

@@ -157,9 +157,20 @@ def mixed_precision(plan: PrecisionPlan) -> MixedPrecision:
     return _mp1(plan.root)
 
 
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def plan_name(name: str) -> str:
+    """A module's name with the wrapper levels FSDP1 and activation checkpointing add left out."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
 def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
     """FSDP1's auto-wrap policy: one unit per boundary or storage change, each with its
     `MixedPrecision`. Call `apply(model, plan)` before wrapping, so boundaries cast.
+
+    Units are matched by qualified name in the model FSDP wraps, so the policy works on a copy
+    of the planned model, a second instance, or with a plan loaded from JSON.
 
     Example:
         >>> from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # doctest: +SKIP
@@ -170,20 +181,34 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     _require_plan(plan)
-    if not plan.has_model:
-        raise ValueError(
-            "wrap_policy needs a plan resolved from the model (it finds modules by weak "
-            "reference); resolve(model) or re-resolve a plan loaded from JSON."
-        )
-    by_id = {id(plan.module(n)): n for n in unit_names(plan)}
+    units = set(unit_names(plan))
 
-    def lambda_fn(module: nn.Module) -> bool | dict[str, Any]:
-        name = by_id.get(id(module))
-        if name is None:
-            return False
-        return {"mixed_precision": _mp1(plan[name])}
+    class PlanPolicy(CustomPolicy):
+        """Looks modules up by name in the root FSDP is given."""
 
-    return CustomPolicy(lambda_fn)
+        def __init__(self) -> None:
+            self.names: dict[nn.Module, str] = {}
+            super().__init__(self.lookup)
+
+        def lookup(self, module: nn.Module) -> bool | dict[str, Any]:
+            name = self.names.get(module)
+            if name is None or name not in units:
+                return False
+            return {"mixed_precision": _mp1(plan[name])}
+
+        def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
+                        root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
+            self.names = {m: plan_name(n) for n, m in root_module.named_modules()}
+            missing = sorted(units - set(self.names.values()))
+            if missing:
+                raise ValueError(
+                    f"wrap_policy: the plan ({plan.model_type or 'model'}) does not match the "
+                    f"model FSDP wraps ({type(root_module).__name__}): no module named "
+                    f"{', '.join(repr(n) for n in missing[:5])}."
+                )
+            return super()._run_policy(root_module, ignored_modules, root_kwargs)
+
+    return PlanPolicy()
 
 
 def _require_plan(plan: object) -> None:
