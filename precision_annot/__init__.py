@@ -6,6 +6,7 @@ locally, and `precision_annot.adapters` hand it to Lightning, DeepSpeed, FSDP an
 """
 
 from precision_annot.annotation import annotate, precision, precision_scope
+from precision_annot.audit import audit
 from precision_annot.dtypes import bf16, fp16, fp32, fp64
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
@@ -25,6 +26,7 @@ __all__ = [
     "apply",
     "remove",
     "PrecisionPlan",
+    "audit",
 ]
 
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""The `precision-annot` command: report a model's plan, export backend configs, run the demo."""
+"""The `precision-annot` command: report a plan, audit what runs, export backend configs, demo."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch import nn
 
 from precision_annot.plan import PrecisionPlan
@@ -26,6 +29,16 @@ class CLIError(Exception):
 
 def load_target(target: str) -> nn.Module:
     """Call `package.module:callable` or `path/to/file.py:callable` and check it gives a module."""
+    model = load_object(target)
+    if not isinstance(model, nn.Module):
+        raise CLIError(
+            f"{target} must return an nn.Module. Received: {type(model).__name__}"
+        )
+    return model
+
+
+def load_object(target: str) -> Any:
+    """Import `package.module:name` or `path/to/file.py:name`; call it if it is callable."""
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
         raise CLIError(
@@ -53,14 +66,9 @@ def load_target(target: str) -> nn.Module:
     if fn is None:
         raise CLIError(f"{module_part!r} has no attribute {attr!r}.")
     try:
-        model = fn() if callable(fn) and not isinstance(fn, nn.Module) else fn
+        return fn() if callable(fn) and not isinstance(fn, (nn.Module, torch.Tensor)) else fn
     except Exception as e:
         raise CLIError(f"Calling {target} failed: {type(e).__name__}: {e}") from e
-    if not isinstance(model, nn.Module):
-        raise CLIError(
-            f"{target} must return an nn.Module. Received: {type(model).__name__}"
-        )
-    return model
 
 
 def _plan(args: argparse.Namespace) -> PrecisionPlan:
@@ -97,6 +105,30 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from precision_annot.audit import audit
+    from precision_annot.runtime import apply
+    from precision_annot.samples import step
+
+    model = load_target(args.target)
+    try:
+        default = None if args.default is None else as_policy(args.default, argument="--default")
+        plan = resolve(model, default) if args.plan is None else PrecisionPlan.from_json(
+            Path(args.plan).read_text())
+        apply(model, plan)
+    except (OSError, TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    sample = load_object(args.sample)
+    try:
+        with audit(model) as report:
+            step(model, sample, backward=not args.forward_only)
+    except Exception as e:
+        raise CLIError(f"Running the model on {args.sample} failed: {type(e).__name__}: {e}"
+                       ) from e
+    print(report)
+    return 1 if report.divergences else 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from precision_annot.demo import run_demo
 
@@ -106,7 +138,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="precision-annot",
-        description="Per-module precision for PyTorch: report plans, export configs, demo.",
+        description="Per-module precision for PyTorch: report plans, audit what runs, export "
+                    "configs, demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="print the precision plan of a model")
@@ -122,6 +155,16 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("-o", "--output", metavar="OUT.json", help="write here instead of stdout")
     ds.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
     ds.set_defaults(func=_cmd_export)
+    aud = sub.add_parser("audit", help="apply the plan, run one step, and report every dtype "
+                         "that differs from the plan (exit status 1 if any)")
+    aud.add_argument("target", help="package.module:callable or path/to/file.py:callable")
+    aud.add_argument("--sample", required=True, metavar="TARGET",
+                     help="a callable giving a batch: a tensor, a dict of keyword arguments, "
+                          "or (args, kwargs)")
+    aud.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
+    aud.add_argument("--plan", metavar="PLAN.json", help="apply this plan instead of resolving")
+    aud.add_argument("--forward-only", action="store_true", help="skip the backward")
+    aud.set_defaults(func=_cmd_audit)
     demo = sub.add_parser("demo", help="annotate, plan and train a small transformer")
     demo.add_argument("--fast", action="store_true", help="fewer steps")
     demo.add_argument("--out", default="demo-output", help="where to write the DeepSpeed config")
@@ -130,6 +173,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # targets import from the current directory, as with -m
     parser = _parser()
     args = parser.parse_args(argv)
     with warnings.catch_warnings(record=True) as caught:

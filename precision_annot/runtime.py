@@ -28,7 +28,8 @@ from precision_annot.plan import ModulePlan, PrecisionPlan, parent_name
 from precision_annot.policy import SpecLike, autocast_mode
 from precision_annot.resolution import is_container, resolve
 
-__all__ = ["apply", "applied_plan", "installed_boundaries", "remove"]
+__all__ = ["apply", "applied_plan", "check_matches", "find_boundary", "installed_boundaries",
+           "remove"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -148,7 +149,7 @@ def _require_module(value: object, what: str) -> None:
         )
 
 
-def _check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
+def check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
     missing = [n for n in plan if n not in named]
     extra = [n for n in named if n not in plan]
     if missing or extra:
@@ -446,7 +447,7 @@ def apply(
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
     named = dict(model.named_modules())
-    _check_matches(plan, named)
+    check_matches(plan, named)
     plan = _for_model(plan, named)
     layout = _layout(plan, named, check_finite)
     state: AppliedState | None = model.__dict__.get(_STATE_ATTR)

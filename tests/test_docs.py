@@ -25,7 +25,7 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 MODULES = ["precision_annot.policy", "precision_annot.annotation", "precision_annot.resolution",
-           "precision_annot.runtime"]
+           "precision_annot.runtime", "precision_annot.audit"]
 
 
 @pytest.mark.parametrize("name", MODULES)

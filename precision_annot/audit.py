@@ -1,0 +1,478 @@
+"""`audit`: record what actually runs, forward and backward, and compare it with the plan.
+
+No backend tells its user what dtype each module really ran in. Inside an `audit` block every
+floating op is seen where it runs, after autocast has picked its dtype (at dispatch), and is
+charged to the innermost module running it: in forward through the module stack, in backward
+through the autograd node being executed, which the forward pass mapped to the module that
+created it. Parameters, buffers, gradients, outputs and the autocast state are recorded too,
+and `AuditReport.divergences` lists every difference from the plan.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
+
+from precision_annot.boundary import device_type_of
+from precision_annot.casting import floating_leaves
+from precision_annot.dtypes import dtype_name, wider
+from precision_annot.plan import ModulePlan, PrecisionPlan, format_table
+from precision_annot.policy import autocast_mode
+from precision_annot.resolution import resolve
+from precision_annot.runtime import applied_plan, check_matches, find_boundary
+
+__all__ = ["AuditReport", "Divergence", "ModuleRecord", "audit"]
+
+Phase: TypeAlias = Literal["forward", "backward", "state"]
+
+# Ops that move or select data rather than compute: a cast, a copy, a view, a concatenation, a
+# gather. Their dtype is whatever they were given, so they say nothing about compute.
+_DATA_MOVEMENT = frozenset({
+    "_to_copy", "to", "copy", "copy_", "clone", "detach", "alias", "lift_fresh",
+    "lift_fresh_copy", "contiguous", "_unsafe_view", "cat", "stack", "index", "index_select",
+    "gather", "scatter", "select_scatter", "slice_scatter", "masked_fill", "masked_fill_",
+    "masked_select", "fill", "fill_", "zero_", "where", "embedding", "roll", "flip", "repeat",
+    "repeat_interleave", "constant_pad_nd", "index_put", "index_put_", "zeros_like",
+    "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_empty",
+    "new_zeros", "new_ones", "new_full", "_local_scalar_dense", "split_with_sizes",
+    "unbind", "split", "chunk", "narrow", "tril", "triu", "_reshape_alias", "unfold",
+})
+_CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+_NO_OWNER_NODES = frozenset({"ToCopyBackward0", "AccumulateGrad"})
+
+
+@dataclasses.dataclass
+class ModuleRecord:
+    """What one module did inside an `audit` block.
+
+    Attributes:
+        name: the module's qualified name ("" for the root).
+        type: its class name.
+        calls: how many times its forward ran.
+        forward_ops: floating ops of its own code in forward, by the dtype they computed in.
+        backward_ops: the same in backward.
+        autocast: the autocast states its own code ran under, as (enabled, dtype) pairs.
+        inputs: dtypes of the floating tensors it was called with (before any boundary cast).
+        outputs: dtypes of the floating tensors it handed back.
+        tensors: its own parameters and floating buffers, by name, with their dtypes.
+        grads: dtypes of the gradients its parameters received, by name.
+    """
+
+    name: str
+    type: str
+    calls: int = 0
+    forward_ops: Counter[torch.dtype] = dataclasses.field(default_factory=Counter)
+    backward_ops: Counter[torch.dtype] = dataclasses.field(default_factory=Counter)
+    autocast: set[tuple[bool, torch.dtype | None]] = dataclasses.field(default_factory=set)
+    inputs: set[torch.dtype] = dataclasses.field(default_factory=set)
+    first_inputs: set[torch.dtype] = dataclasses.field(default_factory=set)
+    outputs: set[torch.dtype] = dataclasses.field(default_factory=set)
+    tensors: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    grads: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Divergence:
+    """One difference between what ran and what the plan says.
+
+    Attributes:
+        module: the module's qualified name.
+        field: "compute", "autocast", "storage", "grad", "output" or "boundary".
+        planned: what the plan says.
+        actual: what ran.
+        phase: "forward", "backward", or "state" (dtypes held, not computed).
+    """
+
+    module: str
+    field: str
+    planned: str
+    actual: str
+    phase: Phase
+
+    def __str__(self) -> str:
+        return (f"{self.module or '(root)'}: {self.field} planned {self.planned}, "
+                f"{'held' if self.phase == 'state' else 'ran'} {self.actual}"
+                f"{'' if self.phase == 'state' else f' ({self.phase})'}")
+
+
+def _dtypes(counter: Counter[torch.dtype] | set[torch.dtype]) -> str:
+    if isinstance(counter, Counter):
+        return " ".join(f"{dtype_name(d)}:{n}" for d, n in sorted(
+            counter.items(), key=lambda kv: -kv[1])) or "-"
+    return ",".join(sorted(dtype_name(d) for d in counter)) or "-"
+
+
+def _autocast_text(states: set[tuple[bool, torch.dtype | None]]) -> str:
+    if not states:
+        return "-"
+    return ",".join(sorted(dtype_name(d) if on else "off" for on, d in states))
+
+
+def exit_dtype(plan: PrecisionPlan, name: str) -> tuple[torch.dtype | None, bool]:
+    """The dtype a boundary hands its outputs back in (runtime rule 4), or (None, True) for
+    "the dtype of its first floating input", or (None, False) for "left as computed"."""
+    entry = plan[name]
+    if entry.policy.output is not None:
+        return entry.policy.output, False
+    context = plan.context(name)
+    if context is None:
+        return None, False
+    if context.policy.compute is not None:
+        return context.policy.compute, False
+    return None, entry.policy.compute is not None
+
+
+class AuditReport:
+    """What ran inside an `audit` block, module by module, against the plan.
+
+    `report.divergences` lists every difference from the plan and is empty when the plan is
+    real; `str(report)` is a table with one row per module that ran or holds tensors.
+    """
+
+    def __init__(self, plan: PrecisionPlan, records: dict[str, ModuleRecord],
+                 installed: dict[str, bool]) -> None:
+        self.plan = plan
+        self.records = records
+        self._installed = installed
+
+    def __getitem__(self, name: str) -> ModuleRecord:
+        return self.records[name]
+
+    @property
+    def divergences(self) -> list[Divergence]:
+        """Every difference between what ran and the plan, in module order."""
+        out: list[Divergence] = []
+        for name, record in self.records.items():
+            if name in self.plan:
+                out.extend(self._diverges(self.plan[name], record))
+        return out
+
+    def _diverges(self, entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
+        name, policy = entry.name, entry.policy
+        if entry.boundary and record.calls and not self._installed.get(name, False):
+            yield Divergence(name, "boundary", "installed", "missing (not applied?)", "state")
+        compute = policy.compute
+        if compute is not None:
+            for phase, ops in (("forward", record.forward_ops),
+                               ("backward", record.backward_ops)):
+                low = {d for d in ops if d != compute and not wider(d, compute)}
+                if low:
+                    yield Divergence(name, "compute", dtype_name(compute),
+                                     _dtypes(Counter({d: ops[d] for d in low})), phase)  # type: ignore[arg-type]
+        mode = autocast_mode(policy)
+        if mode == "autocast":
+            wrong = {s for s in record.autocast if s != (True, compute)}
+        elif mode == "off":
+            wrong = {s for s in record.autocast if s[0]}
+        else:
+            wrong = set()
+        if wrong:
+            planned = dtype_name(compute) if mode == "autocast" else "off"
+            yield Divergence(name, "autocast", planned, _autocast_text(wrong), "forward")
+        for tname, dtype in record.tensors.items():
+            planned_dtype = self._planned_storage(entry, tname)
+            if planned_dtype is not None and dtype != planned_dtype:
+                yield Divergence(name, "storage", f"{tname} {dtype_name(planned_dtype)}",
+                                 dtype_name(dtype), "state")
+        for tname, dtype in record.grads.items():
+            expected = self._planned_storage(entry, tname) or record.tensors.get(tname)
+            if expected is not None and dtype != expected:
+                yield Divergence(name, "grad", f"{tname} {dtype_name(expected)}",
+                                 dtype_name(dtype), "backward")
+        if entry.boundary and record.calls and record.outputs:
+            target, to_input = exit_dtype(self.plan, name)
+            if to_input and len(record.first_inputs) == 1:
+                (target,) = record.first_inputs
+            if target is not None and record.outputs != {target}:
+                yield Divergence(name, "output", dtype_name(target), _dtypes(record.outputs),
+                                 "forward")
+
+    def _planned_storage(self, entry: ModulePlan, tensor: str) -> torch.dtype | None:
+        if tensor.endswith(" (non-persistent)"):
+            return None  # keeps the dtype it was built in
+        return entry.policy.storage
+
+    def __str__(self) -> str:
+        bad: dict[str, set[str]] = {}
+        for d in self.divergences:
+            bad.setdefault(d.module, set()).add(d.field)
+        header = ("module", "type", "calls", "compute", "forward ops", "backward ops",
+                  "autocast", "tensors", "grads", "output", "status")
+        rows: list[tuple[str, ...]] = [header]
+        for name, r in self.records.items():
+            if name not in self.plan:
+                continue  # a wrapper around the planned model
+            entry = self.plan[name]
+            depth = name.count(".") + (1 if name else 0)
+            label = ("  " * depth) + (name.rsplit(".", 1)[-1] if name else "(root)")
+            if entry.boundary:
+                label += " *"
+            rows.append((
+                label, r.type, "-" if entry.container else str(r.calls),
+                dtype_name(entry.policy.compute),
+                _dtypes(r.forward_ops), _dtypes(r.backward_ops), _autocast_text(r.autocast),
+                _dtypes(set(r.tensors.values())), _dtypes(set(r.grads.values())),
+                _dtypes(r.outputs),
+                ("! " + ",".join(sorted(bad[name]))) if name in bad else "ok",
+            ))
+        lines = format_table(rows, right={2})
+        divergences = self.divergences
+        lines.append("")
+        lines.append("ops: the dtypes floating ops computed in, after autocast, with counts; "
+                     "* boundary.")
+        if divergences:
+            lines.append(f"{len(divergences)} divergences from the plan:")
+            lines.extend(f"  {d}" for d in divergences)
+        else:
+            lines.append("No divergence: every module ran as the plan says.")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"AuditReport({len(self.records)} modules, "
+                f"{len(self.divergences)} divergences)")
+
+
+class _Tracker:
+    """Charges ops to modules: a module stack in forward, autograd sequence numbers for
+    backward."""
+
+    def __init__(self, names: dict[nn.Module, str], records: dict[str, ModuleRecord]) -> None:
+        self.names = names
+        self.records = records
+        self.stack: list[str] = []
+        self.seqs: list[int] = []  # sorted: a node with this sequence number or later ...
+        self.owners: list[str | None] = []  # ... was made while this module was innermost
+        self.thread = threading.get_ident()
+
+    def mark(self) -> None:
+        self.seqs.append(torch._C._autograd._get_sequence_nr())
+        self.owners.append(self.stack[-1] if self.stack else None)
+
+    def owner_of_node(self) -> str | None:
+        node = torch._C._current_autograd_node()
+        # A cast's backward node also accumulates the gradient of the tensor it was cast
+        # from, in the caller's dtype: that is the caller's, not the module's.
+        if node is None or type(node).__name__ in _NO_OWNER_NODES:
+            return None
+        seq = node._sequence_nr()
+        i = bisect.bisect_right(self.seqs, seq) - 1
+        return self.owners[i] if i >= 0 else None
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = self.names.get(module)
+        if name is None or threading.get_ident() != self.thread:
+            return
+        record = self.records[name]
+        record.calls += 1
+        leaves: list[torch.Tensor] = []
+        floating_leaves((args, kwargs), leaves)
+        record.inputs.update(t.dtype for t in leaves)
+        if leaves:
+            record.first_inputs.add(leaves[0].dtype)
+        for tname, t in _own_tensors(module):
+            record.tensors[tname] = t.dtype
+        self.stack.append(name)
+        self.mark()
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             output: Any) -> None:
+        name = self.names.get(module)
+        if name is None or threading.get_ident() != self.thread:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        self.mark()
+        leaves: list[torch.Tensor] = []
+        floating_leaves(output, leaves)
+        self.records[name].outputs.update(t.dtype for t in leaves)
+
+
+def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for pname, p in module._parameters.items():
+        if p is not None and p.is_floating_point():
+            yield pname, p
+    for bname, b in dict.items(module._buffers):
+        if b is not None and b.is_floating_point():
+            suffix = " (non-persistent)" if bname in module._non_persistent_buffers_set else ""
+            yield bname + suffix, b
+
+
+class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records the dtype each floating op computes in, after autocast, at dispatch."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func.overloadpacket.__name__ in _DATA_MOVEMENT:
+            return out
+        inputs: list[torch.Tensor] = []
+        floating_leaves((args, kwargs), inputs)
+        if not inputs:
+            return out
+        results: list[torch.Tensor] = []
+        floating_leaves(out, results)
+        if not results:
+            return out
+        tracker = self.tracker
+        if tracker.stack:
+            counter = tracker.records[tracker.stack[-1]].forward_ops
+        elif torch._C._current_graph_task_id() != -1:
+            owner = tracker.owner_of_node()
+            if owner is None:
+                return out
+            counter = tracker.records[owner].backward_ops
+        else:
+            return out
+        for t in results:
+            counter[t.dtype] += 1
+        return out
+
+
+class _AutocastState(TorchFunctionMode):
+    """Records the autocast state each module's own code runs under (seen above dispatch,
+    where autocast has not yet changed it)."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tracker = self.tracker
+        if not tracker.stack or getattr(func, "__name__", "") in _CASTS:
+            return out
+        if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+            return out
+        device = device_type_of(None, tuple(args), kwargs)
+        enabled = torch.is_autocast_enabled(device)
+        state = (enabled, torch.get_autocast_dtype(device) if enabled else None)
+        tracker.records[tracker.stack[-1]].autocast.add(state)
+        return out
+
+
+class audit:
+    """Record what runs inside the block, in forward and backward, and compare it with the plan.
+
+    For each module that runs, the report keeps the dtypes its floating ops compute in (seen
+    after autocast, at dispatch), the autocast state its code runs under, the dtypes of its
+    parameters, buffers, gradients and outputs; `report.divergences` lists every difference
+    from the plan and is empty when the plan is real.
+
+    Run the model eagerly and in one thread inside the block (not under `torch.compile`).
+
+    Args:
+        model: the model, applied or not.
+        plan: the plan to compare with; the plan `apply` last made real on `model` when None,
+            else `resolve(model)`. (Default: None)
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from precision_annot import apply, audit, fp32, precision
+        >>> model = apply(nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4))),
+        ...               default="bf16")
+        >>> with audit(model) as report:
+        ...     model(torch.randn(2, 4)).float().sum().backward()
+        >>> report.divergences
+        []
+    """
+
+    def __init__(self, model: nn.Module, plan: PrecisionPlan | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"audit expects an nn.Module. Received: model={model!r} "
+                            f"(of type {type(model).__name__})")
+        if plan is not None and not isinstance(plan, PrecisionPlan):
+            raise TypeError("plan must be a PrecisionPlan or None. Received: "
+                            f"plan={plan!r} (of type {type(plan).__name__})")
+        self.model = model
+        self.plan = plan or applied_plan(model) or resolve(model)
+        self._handles: list[RemovableHandle] = []
+        self._modes: list[Any] = []
+        self.report: AuditReport | None = None
+
+    def __enter__(self) -> AuditReport:
+        if self.report is not None:
+            raise RuntimeError("This audit has already run; create a new audit(model) to "
+                               "record again.")
+        names = _plan_names(self.model, self.plan)
+        check_matches(self.plan, {n: m for m, n in names.items() if n in self.plan or
+                                  not n.startswith("(wrapper)")})
+        records = {n: ModuleRecord(n, type(m).__name__) for m, n in names.items()}
+        installed = {n: bool((b := find_boundary(m)[0]) and b.active) for m, n in names.items()}
+        for module, name in names.items():
+            records[name].tensors = {t: v.dtype for t, v in _own_tensors(module)}
+        tracker = _Tracker(names, records)
+        for module in names:
+            self._handles.append(module.register_forward_pre_hook(tracker.pre,
+                                                                  with_kwargs=True))
+            self._handles.append(module.register_forward_hook(tracker.post, with_kwargs=True,
+                                                              always_call=True))
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        _grad_recorder(records[names[module]], pname)))
+        self._modes = [_AutocastState(tracker), _OpDtypes(tracker)]
+        for mode in self._modes:
+            mode.__enter__()
+        self.report = AuditReport(self.plan, records, installed)
+        self._names = names
+        return self.report
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(exc_type, exc, tb)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        assert self.report is not None
+        for module, name in self._names.items():  # storage as it is at the end of the block
+            self.report.records[name].tensors.update(
+                {t: v.dtype for t, v in _own_tensors(module)})
+
+
+def _grad_recorder(record: ModuleRecord, name: str) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            record.grads[name] = p.grad.dtype
+
+    return hook
+
+
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+
+
+def _plan_names(model: nn.Module, plan: PrecisionPlan) -> dict[nn.Module, str]:
+    """Each module's name as the plan knows it: wrapper levels (FSDP1, activation
+    checkpointing, torch.compile) left out, and a DDP-style `module.` prefix dropped when the
+    plan has no such module. A wrapper whose name its inner module takes is "(wrapper) name"."""
+    out: dict[nn.Module, str] = {}
+    taken: dict[str, nn.Module] = {}
+    strip = "module" not in plan and any(n == "module" for n, _ in model.named_modules())
+    for raw, module in model.named_modules():
+        clean = ".".join(p for p in raw.split(".") if p not in _WRAPPER_PARTS)
+        if strip:
+            clean = "" if clean == "module" else clean.removeprefix("module.") if (
+                clean.startswith("module.")) else ("(wrapper)" if clean == "" else clean)
+        if clean in taken:
+            out[taken[clean]] = f"(wrapper) {clean}"
+        taken[clean] = module
+        out[module] = clean
+    return out
