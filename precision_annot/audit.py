@@ -356,7 +356,8 @@ class _AutocastState(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tracker = self.tracker
-        if not tracker.stack or getattr(func, "__name__", "") in _CASTS:
+        name = getattr(func, "__name__", "")
+        if not tracker.stack or name in _CASTS or name in _DATA_MOVEMENT:
             return out
         if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out
