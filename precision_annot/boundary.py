@@ -161,8 +161,7 @@ class Region:
         finally:
             for owner, kind, name, (tensor, _, _) in saved:
                 set_tensor(owner, kind, name, tensor)
-            if not torch.compiler.is_compiling():
-                _write_back(entry for *_, entry in saved)
+            _write_back(entry for *_, entry in saved)
 
 
 # (the tensor, its copy in the compute dtype, whether it is a buffer)
@@ -170,17 +169,24 @@ Cached = tuple[torch.Tensor, torch.Tensor, bool]
 
 
 def _write_back(entries: Iterable[Cached]) -> None:
-    """Nothing written is lost: a copy changed in place is written back into the tensor it was
-    made from, in that tensor's dtype. Buffers are compared by value, since native kernels
-    update BatchNorm's running statistics without bumping the version counter."""
+    """Nothing written is lost: what the forward wrote into a copy is written back into the
+    tensor it was made from, in that tensor's dtype.
+
+    Buffers are compared element by element (native kernels update BatchNorm's running
+    statistics without bumping the version counter), with no data-dependent branch, so the
+    same code runs inside `torch.compile`; elements that did not change keep their exact
+    value even when the copy was narrower. Parameters are written back only when changed in
+    place, in eager mode."""
+    compiling = torch.compiler.is_compiling()
     for original, cast, is_buffer in entries:
-        if cast is original or cast.is_inference():
+        if cast is original:
             continue
-        if cast._version > 0 or is_buffer:
-            with torch.no_grad():
-                value = cast.to(original.dtype)
-                if not torch.equal(value, original):
-                    original.copy_(value)
+        with torch.no_grad():
+            if is_buffer:
+                changed = cast != original.to(cast.dtype)
+                original.copy_(torch.where(changed, cast.to(original.dtype), original))
+            elif not compiling and not cast.is_inference() and cast._version > 0:
+                original.copy_(cast.to(original.dtype))
 
 
 class CastingDict(dict[str, Any]):

@@ -399,3 +399,18 @@ def test_the_function_form_keeps_dtype_by_position_too() -> None:
 
     _, by_position = mix(torch.ones(2), torch.ones(2))
     assert by_position == fp32
+
+
+def test_batchnorm_statistics_in_an_island_are_kept_under_compile() -> None:
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        norm = precision(compute=fp32, storage=bf16)(nn.BatchNorm1d(4))
+        return apply(nn.Sequential(nn.Linear(4, 4), norm), default="bf16")
+
+    compiled, eager = make(), make()
+    run = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        assert_close(run(x), eager(x), rtol=0, atol=0)
+    assert_close(compiled[1].running_mean, eager[1].running_mean, rtol=0, atol=0)
+    assert compiled[1].running_mean.abs().sum() > 0 and int(compiled[1].num_batches_tracked) == 3
