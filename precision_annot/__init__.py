@@ -12,6 +12,7 @@ from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply, remove
+from precision_annot.scaler import GradScaler
 
 __all__ = [
     "fp64",
@@ -27,6 +28,7 @@ __all__ = [
     "remove",
     "PrecisionPlan",
     "audit",
+    "GradScaler",
 ]
 
 __version__ = "0.1.0"

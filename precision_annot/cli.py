@@ -72,6 +72,16 @@ def load_object(target: str) -> Any:
 
 
 def _plan(args: argparse.Namespace) -> PrecisionPlan:
+    """The plan of a model target, or a plan file written by `report --json`."""
+    if args.target.endswith(".json") and ":" not in args.target:
+        if args.default is not None:
+            raise CLIError("--default applies to a model target, not to a plan file.")
+        try:
+            return PrecisionPlan.from_json(Path(args.target).read_text())
+        except OSError as e:
+            raise CLIError(f"Cannot read {args.target!r}: {e.strerror or e}") from e
+        except ValueError as e:
+            raise CLIError(f"{args.target}: {e}") from e
     try:
         default = None if args.default is None else as_policy(args.default, argument="--default")
     except (TypeError, ValueError) as e:
@@ -142,15 +152,16 @@ def _parser() -> argparse.ArgumentParser:
                     "configs, demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    target_help = "package.module:callable, path/to/file.py:callable, or a plan.json"
     report = sub.add_parser("report", help="print the precision plan of a model")
-    report.add_argument("target", help="package.module:callable or path/to/file.py:callable")
+    report.add_argument("target", help=target_help)
     report.add_argument("--json", action="store_true", help="machine-readable output")
     report.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
     report.set_defaults(func=_cmd_report)
     export = sub.add_parser("export", help="export a backend config for a model's plan")
     backends = export.add_subparsers(dest="backend", required=True)
     ds = backends.add_parser("deepspeed", help="a DeepSpeed config (JSON)")
-    ds.add_argument("target", help="package.module:callable or path/to/file.py:callable")
+    ds.add_argument("target", help=target_help)
     ds.add_argument("--base", metavar="CFG.json", help="your config; its settings win")
     ds.add_argument("-o", "--output", metavar="OUT.json", help="write here instead of stdout")
     ds.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from precision_annot import PrecisionPlan
+from precision_annot import PrecisionPlan, resolve
 from precision_annot.cli import main
 
 TARGET = "precision_annot._demo:build_model"
@@ -76,3 +76,66 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
     annotated, fp32 = float(losses[2]), float(losses[3])
     assert annotated < 2.0 and fp32 < 2.0  # both learned (from ln(64) = 4.16)
     assert json.loads((tmp_path / "deepspeed_config.json").read_text())["torch_autocast"]
+
+
+MYMOD = '''
+from torch import nn
+from precision_annot import Policy, precision, precision_scope
+
+
+class Scaled(nn.Linear):
+    pass
+
+
+def make_model():
+    with precision_scope(Policy(compute="bf16", storage="fp32", comm="bf16")):
+        return nn.Sequential(nn.Embedding(16, 8), Scaled(8, 8), precision("fp32")(nn.LayerNorm(8)))
+'''
+
+
+def test_console_script_from_the_directory_of_the_model(tmp_path: Path) -> None:
+    """0.1: `report mymod:make_model` failed with ModuleNotFoundError there, and
+    `export deepspeed` wrote an empty lower_precision_safe_modules."""
+    (tmp_path / "mymod.py").write_text(MYMOD)
+    exe = str(Path(sys.executable).with_name("precision-annot"))
+
+    def run(*argv: str) -> str:
+        proc = subprocess.run([exe, *argv], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    (tmp_path / "plan.json").write_text(run("report", "mymod:make_model", "--json"))
+    run("export", "deepspeed", "mymod:make_model", "-o", "from_model.json")
+    run("export", "deepspeed", "plan.json", "-o", "from_plan.json")
+    from_model = json.loads((tmp_path / "from_model.json").read_text())
+    from_plan = json.loads((tmp_path / "from_plan.json").read_text())
+    assert from_model == from_plan
+    assert from_model["torch_autocast"]["lower_precision_safe_modules"] == [
+        "mymod.Scaled", "torch.nn.modules.sparse.Embedding"]
+    assert "Scaled" in run("report", "plan.json")
+
+    # the Python API on the live model and on the loaded plan agree with the CLI
+    import importlib
+
+    from precision_annot.adapters import deepspeed as dsa
+
+    sys.path.insert(0, str(tmp_path))
+    sys.modules.pop("mymod", None)  # another test's mymod
+    try:
+        mymod = importlib.import_module("mymod")
+        plan = resolve(mymod.make_model())
+        assert dsa.to_config(plan) == from_model
+        assert dsa.to_config(PrecisionPlan.from_json(plan.to_json())) == from_model
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("mymod", None)
+
+
+def test_a_plan_file_target_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "precision_annot.plan", "version": 1, "modules": []}')
+    assert main(["export", "deepspeed", str(bad)]) == 2
+    assert "non-empty list" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    assert "Cannot read" in capsys.readouterr().err

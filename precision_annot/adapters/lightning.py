@@ -4,7 +4,7 @@ Lightning has one precision string for the whole model. These plugins take the p
 annotations on the LightningModule (or an explicit `plan=`), apply it in `convert_module`, cast
 floating tensors in each batch to the root's compute dtype before the batch is moved to the
 device (Lightning issue 17727), run `training_step` under the root's autocast state, and use a
-`torch.amp.GradScaler` when fp16 is used anywhere (its state is saved in checkpoints).
+`precision_annot.GradScaler` when fp16 is used anywhere (its state is saved in checkpoints).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import SpecLike, as_policy, autocast_mode
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply
+from precision_annot.scaler import GradScaler
 
 try:
     from lightning.fabric.plugins.precision import Precision as _FabricPrecision
@@ -38,21 +39,6 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
     ) from e
 
 __all__ = ["AnnotatedFSDPPrecision", "AnnotatedPrecision", "FabricAnnotatedPrecision"]
-
-
-class LossScaler(torch.amp.GradScaler):
-    """`torch.amp.GradScaler` that also unscales fp16 gradients (parameters stored in fp16).
-
-    GradScaler refuses fp16 gradients because unscaling them in fp16 can underflow; with fp16
-    storage there is no wider copy to unscale into, and skipping non-finite steps is still what
-    keeps fp16 training alive. FSDP's `ShardedGradScaler` takes the same path.
-    """
-
-    def _unscale_grads_(
-        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
 class _Annotated:
@@ -95,7 +81,7 @@ class _Annotated:
             self._device = param.device.type if param is not None else "cpu"
         root = plan.root.policy
         if plan.needs_loss_scaling and self.scaler is None:
-            self.scaler = LossScaler(device=self._device)
+            self.scaler = GradScaler(device=self._device)
         self.precision = _lightning_name(root.compute, root.storage)
         return module
 

@@ -1,0 +1,197 @@
+"""Hugging Face transformers: fp32 islands from a model's own lists, FSDP units, and a
+checkpoint round trip that keeps the islands exact.
+
+- `rules(model)` turns `_keep_in_fp32_modules` and `_keep_in_fp32_modules_strict` into
+  `annotate` rules, matched the way transformers matches them when it loads a checkpoint: each
+  entry is a pattern (`*` is any text) searched in each parameter's full name.
+- `units(model)` turns `_no_split_modules` into the `units=` of `fsdp.fully_shard`.
+- `save_pretrained` writes the plan beside the checkpoint; `from_pretrained` loads the model,
+  applies that plan, and reads every tensor the plan stores wider than it was loaded back from
+  the checkpoint files, so fp32 islands in a bf16 checkpoint come back bit for bit.
+- `keep_in_fp32_patterns(plan)` gives the plan's fp32 modules as `_keep_in_fp32_modules_strict`
+  entries, for a model class of your own that should load them in fp32 through transformers
+  alone.
+
+transformers is imported only when a function here needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from precision_annot.dtypes import fp16, fp32, to_dtype, wider
+from precision_annot.plan import PrecisionPlan, parent_name
+from precision_annot.resolution import resolve
+from precision_annot.runtime import apply
+
+__all__ = ["HFKeepInFP32", "from_pretrained", "keep_in_fp32_patterns", "rules",
+           "save_pretrained", "units"]
+
+M = TypeVar("M", bound=nn.Module)
+PLAN_FILE = "precision_plan.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFKeepInFP32:
+    """A selector for `annotate`: the modules whose every parameter name matches one entry of
+    `_keep_in_fp32_modules`, as transformers matches it (`*` is any text, searched anywhere in
+    the parameter's full name)."""
+
+    pattern: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_regex", re.compile(self.pattern.replace("*", ".*")))
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        names = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+        regex: re.Pattern[str] = self._regex  # type: ignore[attr-defined]
+        return bool(names) and all(regex.search(n) for n in names)
+
+    def __repr__(self) -> str:
+        return f"keep_in_fp32({self.pattern!r})"
+
+
+def rules(model: nn.Module, dtype: torch.dtype | str | None = None
+          ) -> list[tuple[HFKeepInFP32, str]]:
+    """`annotate` rules that keep the model's own fp32 modules in fp32.
+
+    Args:
+        model: a transformers `PreTrainedModel`.
+        dtype: the low dtype the model will run in. transformers keeps
+            `_keep_in_fp32_modules` in fp32 only for fp16 and `_keep_in_fp32_modules_strict`
+            for fp16 and bf16; the same choice is made here. None takes both lists.
+            (Default: None)
+
+    Returns:
+        `[(selector, "fp32"), ...]`, for `annotate(model, rules(model))`. Empty when the model
+        lists nothing.
+
+    Example:
+        >>> from precision_annot import annotate  # doctest: +SKIP
+        >>> annotate(t5, rules(t5))  # T5 keeps its `wo` layers in fp32  # doctest: +SKIP
+    """
+    low = None if dtype is None else to_dtype(dtype, field="dtype")
+    patterns: list[str] = []
+    if low is None or low == fp16:
+        patterns += sorted(getattr(model, "_keep_in_fp32_modules", None) or [])
+    patterns += sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    return [(HFKeepInFP32(p), "fp32") for p in dict.fromkeys(patterns)]
+
+
+def units(model: nn.Module) -> list[type[nn.Module]]:
+    """The classes of `_no_split_modules` found in `model`, for
+    `fsdp.fully_shard(model, units=units(model))`: one FSDP unit per transformer block."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return sorted(found, key=lambda c: c.__name__)
+
+
+def keep_in_fp32_patterns(plan: PrecisionPlan) -> list[str]:
+    """The plan's fp32-storage modules that hold parameters, outermost only, as patterns that
+    transformers' loader matches exactly: set them as a model class's
+    `_keep_in_fp32_modules_strict` to load those weights in fp32 with `from_pretrained`."""
+    chosen: list[str] = []
+    for name, entry in plan.items():
+        if entry.policy.storage != fp32 or not name:
+            continue
+        if any(name == c or name.startswith(c + ".") for c in chosen):
+            continue
+        if entry.params or any(n.startswith(name + ".") and plan[n].params for n in plan):
+            chosen.append(name)
+    return ["^" + re.escape(name) + r"\." for name in chosen]
+
+
+def save_pretrained(model: nn.Module, directory: str | os.PathLike[str],
+                    plan: PrecisionPlan | None = None, **kwargs: Any) -> None:
+    """`model.save_pretrained(directory, **kwargs)`, with the plan written beside it as
+    `precision_plan.json`. The plan defaults to the one `apply` made real on the model."""
+    from precision_annot.runtime import applied_plan
+
+    plan = plan or applied_plan(model) or resolve(model)
+    model.save_pretrained(directory, **kwargs)  # type: ignore[operator]
+    Path(directory, PLAN_FILE).write_text(plan.to_json())
+
+
+def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
+                    plan: PrecisionPlan | None = None, **kwargs: Any) -> M:
+    """Load a checkpoint with transformers, apply its plan, and restore exactly what the plan
+    stores wider than transformers loaded it.
+
+    A default `from_pretrained` loads every weight in the checkpoint's one dtype, so fp32
+    islands of a bf16 model come back rounded to bf16. Here each tensor whose planned storage
+    is wider than the dtype it was loaded in is read again from the checkpoint files.
+
+    Args:
+        model_class: the transformers model class, e.g. `T5ForConditionalGeneration`.
+        directory: a directory written by `save_pretrained` (or by `model.save_pretrained`:
+            then pass `plan`).
+        plan: the plan to apply; `precision_plan.json` in the directory when None, else the
+            model's own annotations with `rules(model)`. (Default: None)
+        **kwargs: passed to `model_class.from_pretrained` (`dtype`, `device_map`, ...).
+
+    Returns:
+        The model, with the plan applied.
+    """
+    model: M = model_class.from_pretrained(directory, **kwargs)  # type: ignore[attr-defined]
+    saved = Path(directory, PLAN_FILE)
+    if plan is None and saved.is_file():
+        plan = PrecisionPlan.from_json(saved.read_text())
+    if plan is None:
+        from precision_annot.annotation import annotate
+
+        annotate(model, rules(model), strict=False)
+        plan = resolve(model)
+    loaded = {n: t.dtype for n, t in _named_tensors(model)}
+    apply(model, plan)
+    restore = [n for n, t in _named_tensors(model) if wider(t.dtype, loaded[n])]
+    if restore:
+        _read_back(model, Path(directory), restore)
+    return model
+
+
+def _named_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, module in model.named_modules():
+        for tname, t in [*module._parameters.items(), *dict.items(module._buffers)]:
+            if t is not None and t.is_floating_point():
+                yield (f"{name}.{tname}" if name else tname), t
+
+
+def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
+    """Copy these tensors from the checkpoint's safetensors files, in the model's dtype."""
+    from safetensors import safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        weight_map = {}
+    single = directory / "model.safetensors"
+    by_file: dict[Path, list[str]] = {}
+    for name in names:
+        file = directory / weight_map[name] if name in weight_map else single
+        if file.is_file():
+            by_file.setdefault(file, []).append(name)
+    for file, keys in by_file.items():
+        with safe_open(str(file), framework="pt") as f:
+            present = set(f.keys())
+            for key in keys:
+                if key not in present:
+                    continue  # tied to another tensor, or renamed on save: keep what loaded
+                owner = model.get_submodule(parent_name(key))
+                tname = key.rpartition(".")[2]
+                tensor: torch.Tensor | None = owner._parameters.get(tname)
+                if tensor is None:
+                    tensor = dict.get(owner._buffers, tname)
+                if tensor is None:
+                    continue
+                with torch.no_grad():
+                    tensor.copy_(f.get_tensor(key).to(tensor.dtype))

@@ -1,0 +1,322 @@
+"""Hugging Face transformers, Trainer and Accelerate, with real model classes from small configs
+(random weights, no hub access)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+
+from precision_annot import (
+    PrecisionPlan,
+    annotate,
+    apply,
+    audit,
+    bf16,
+    fp16,
+    fp32,
+    remove,
+    resolve,
+)
+from precision_annot.runtime import installed_boundaries
+
+transformers = pytest.importorskip("transformers")
+from precision_annot.adapters import transformers as hf  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers")
+VOCAB = 128
+
+
+def gpt2() -> nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
+                                  n_head=2)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama() -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=4096)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def t5() -> nn.Module:
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                num_heads=4, decoder_start_token_id=0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def bert() -> nn.Module:
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def randomize_norms(model: nn.Module) -> None:
+    """Norm weights start at 1.0, which every dtype holds; make them need fp32."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or "ln" in name:
+                p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def annotated(kind: str) -> tuple[nn.Module, str]:
+    """A model with its fp32 islands annotated, and its default low dtype."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = gpt2()
+        annotate(model, {nn.LayerNorm: "fp32"})
+        return model, "bf16"
+    if kind == "llama":
+        model = llama()
+        annotate(model, {"*norm": "fp32", "model.rotary_emb": "fp32"})
+        return model, "bf16"
+    if kind == "t5":
+        model = t5()
+        annotate(model, hf.rules(model))  # T5's own list: its feed-forward `wo` layers
+        return model, "fp16"
+    model = bert()
+    annotate(model, {nn.LayerNorm: "fp32"})
+    return model, "bf16"
+
+
+def inputs(kind: str) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    if kind == "t5":
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :6]}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def hand_written(model: nn.Module, plan: PrecisionPlan) -> list[Any]:
+    """The plan's computation written by hand: each tensor cast to its storage, and plain
+    forward hooks that cast an island's inputs to its compute dtype and its outputs back."""
+    def cast(obj: Any, dtype: torch.dtype) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.to(dtype) if obj.is_floating_point() else obj
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(cast(o, dtype) for o in obj)
+        if isinstance(obj, dict):
+            return {k: cast(v, dtype) for k, v in obj.items()}
+        return obj
+
+    handles = []
+    for name, module in model.named_modules():
+        policy = plan[name].policy
+        for tname, t in [*module._parameters.items(), *module._buffers.items()]:
+            persistent = tname not in module._non_persistent_buffers_set
+            if t is not None and t.is_floating_point() and policy.storage and persistent:
+                t.data = t.data.to(policy.storage)
+        if name and plan[name].boundary:
+            compute = policy.compute
+            back = plan.context(name).policy.compute  # type: ignore[union-attr]
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, k, c=compute: (cast(a, c), cast(k, c)), with_kwargs=True))
+            handles.append(module.register_forward_hook(lambda m, a, out, b=back: cast(out, b)))
+    return handles
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "t5", "bert"])
+def test_logits_are_bit_identical_to_hand_written_casts(kind: str) -> None:
+    model, low = annotated(kind)
+    randomize_norms(model)
+    model.eval()  # no dropout: both runs must draw nothing random
+    reference = copy.deepcopy(model)
+    plan = resolve(model, default=low)
+    assert len(plan.boundaries) > 2  # the islands are boundaries
+    apply(model, plan)
+    hand_written(reference, plan)
+    with audit(model) as report:
+        out = model(**inputs(kind))
+        out.logits.float().sum().backward()
+    assert report.divergences == [], str(report)
+    expected = reference(**inputs(kind)).logits  # with autograd on too: it picks the kernels
+    assert out.logits.dtype == expected.dtype == to(low)
+    assert_close(out.logits, expected, rtol=0, atol=0)
+
+
+def to(name: str) -> torch.dtype:
+    return {"bf16": bf16, "fp16": fp16}[name]
+
+
+def test_llama_rotary_table_stays_fp32_in_a_bf16_model() -> None:
+    model, _ = annotated("llama")
+    plan = resolve(model, default="bf16")
+    apply(model, plan)
+    rotary = model.model.rotary_emb
+    assert rotary.inv_freq.dtype == fp32  # non-persistent: kept as Hugging Face keeps it
+    x = torch.zeros(1, dtype=bf16)
+    positions = torch.arange(4032, 4096)[None]
+    cos, _ = rotary(x, positions)
+    exact = (positions[0, :, None].double() * rotary.inv_freq.double()).cos()
+    exact = torch.cat([exact, exact], -1)
+    assert (cos[0].double() - exact).abs().max().item() < 0.005
+
+
+def test_t5_rules_pick_the_wo_layers_as_hugging_faces_own_fp16_loading_does(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = t5()
+    selected = sorted(n for n, m in model.named_modules()
+                      if any(sel(n, m) for sel, _ in hf.rules(model)))
+    assert selected and all(n.endswith(".wo") for n in selected)
+    assert len(selected) == 4  # 2 encoder and 2 decoder blocks
+    assert hf.rules(model, dtype="bf16") == []  # transformers keeps them fp32 only for fp16
+    model.save_pretrained(tmp_path)
+    native = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path, dtype=fp16)
+    native_fp32 = sorted(n.rpartition(".")[0] for n, p in native.named_parameters()
+                         if p.dtype == fp32)
+    assert native_fp32 == selected
+
+
+def test_units_are_the_no_split_blocks() -> None:
+    model = llama()
+    assert [c.__name__ for c in hf.units(model)] == ["LlamaDecoderLayer"]
+    assert [c.__name__ for c in hf.units(t5())] == ["T5Block"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_islands_survive_save_and_load_bit_exact(kind: str, tmp_path: Path) -> None:
+    model, low = annotated(kind)
+    annotate(model, {"*norm": "fp32"})  # T5's own list covers `wo` only
+    randomize_norms(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("wo.weight"):
+                p.add_(torch.randn_like(p) * 1e-3)
+    plan = resolve(model, default=low)
+    apply(model, plan)
+    islands = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == fp32}
+    assert islands
+    hf.save_pretrained(model, tmp_path)
+    assert (tmp_path / "precision_plan.json").is_file()
+
+    cls = type(model)
+    native = cls.from_pretrained(tmp_path, dtype=to(low))  # transformers alone
+    rounded = max((native.get_parameter(n).float() - w).abs().max().item()
+                  for n, w in islands.items())
+    assert rounded > 1e-4  # the islands came back rounded to the low dtype
+
+    loaded = hf.from_pretrained(cls, tmp_path, dtype=to(low))
+    for n, w in islands.items():
+        assert loaded.get_parameter(n).dtype == fp32
+        assert torch.equal(loaded.get_parameter(n), w), n
+    assert installed_boundaries(loaded) == installed_boundaries(model)
+
+    # the other way: the plan's fp32 modules as the class's own list
+    sub = type(f"Island{cls.__name__}", (cls,), {
+        "_keep_in_fp32_modules_strict": hf.keep_in_fp32_patterns(plan)})
+    by_class = sub.from_pretrained(tmp_path, dtype=to(low))
+    for n, w in islands.items():
+        assert torch.equal(by_class.get_parameter(n), w), n
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, Any]]):
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids, "note": f"row {i}"}  # a column to drop
+
+
+@pytest.mark.parametrize(("default", "flags"), [("bf16", {}), ("bf16-mixed", {"bf16": True}),
+                                                ("16-mixed", {"fp16": True})])
+def test_trainer_with_default_arguments_trains_an_applied_model(
+        default: str, flags: dict[str, bool], tmp_path: Path) -> None:
+    model, _ = annotated("llama")
+    plan = resolve(model, default=default)
+    apply(model, plan)
+    assert "input_ids" in inspect.signature(model.forward).parameters  # kept for Trainer
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, use_cpu=True,
+        report_to=[], save_strategy="no", disable_tqdm=True, learning_rate=1e-2, **flags)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = trainer.train()
+    assert torch.isfinite(torch.tensor(result.training_loss))
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert "model.norm.weight" in changed and "model.layers.0.mlp.up_proj.weight" in changed
+    assert model.model.norm.weight.dtype == fp32
+    assert len(installed_boundaries(model)) == len(plan.boundaries)
+
+
+def test_the_signature_name_and_docstring_of_a_boundary_are_its_modules() -> None:
+    model, _ = annotated("gpt2")
+    expected = inspect.signature(model.forward)
+    doc, name = model.forward.__doc__, model.forward.__name__
+    apply(model, default="bf16")
+    assert inspect.signature(model.forward) == expected
+    assert model.forward.__doc__ == doc and model.forward.__name__ == name
+
+
+def test_accelerate_prepare_keeps_the_plan_and_remove_sees_through_its_wrapper() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    model, _ = annotated("llama")
+    plan = resolve(model, default="bf16")
+    apply(model, plan)
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)  # Trainer set it
+    prepared = accelerate.Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
+    assert type(prepared.forward).__name__ != "Boundary"  # Accelerate wrapped the root
+    assert len(installed_boundaries(prepared)) == len(plan.boundaries)
+    with audit(prepared, plan) as report:
+        prepared(**inputs("llama")).logits.float().sum().backward()
+    assert report.divergences == []
+    remove(prepared)
+    assert installed_boundaries(prepared) == []
+    assert {p.dtype for p in prepared.parameters()} == {fp32}
+
+
+def test_generate_runs_the_plan() -> None:
+    model, _ = annotated("llama")
+    reference = copy.deepcopy(model)
+    plan = resolve(model, default="bf16")
+    apply(model, plan)
+    hand_written(reference, plan)
+    ids = inputs("llama")
+    with audit(model) as report:
+        out = model.generate(**ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert report.divergences == []
+    assert torch.equal(out, reference.generate(**ids, max_new_tokens=6, do_sample=False,
+                                               pad_token_id=0))
+
+
+def test_gradient_checkpointing_recomputes_in_the_planned_dtypes() -> None:
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model, _ = annotated("llama")
+        apply(model, default="bf16")
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        ids = inputs("llama")["input_ids"]
+        with audit(model) as report:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert report.divergences == []
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys()
+    for n in plain:
+        assert_close(plain[n], checkpointed[n], rtol=0, atol=0)
+
+
+def test_compile_fullgraph_matches_eager() -> None:
+    model, _ = annotated("gpt2")
+    apply(model, default="bf16")
+    model.eval()  # no dropout
+    ids = inputs("gpt2")
+    eager = model(**ids, use_cache=False).logits
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(**ids, use_cache=False).logits
+    assert out.dtype == bf16
+    assert_close(out, eager, rtol=2e-2, atol=2e-2)
+
