@@ -320,3 +320,8 @@ def test_compile_fullgraph_matches_eager() -> None:
     assert out.dtype == bf16
     assert_close(out, eager, rtol=2e-2, atol=2e-2)
 
+
+
+def test_hugging_faces_own_spelling_points_to_the_glob() -> None:
+    with pytest.raises(ValueError, match=r"4 modules end in 'wo'.*write the glob '\*\.wo'"):
+        annotate(t5(), {"wo": "fp32"})
