@@ -5,7 +5,7 @@ Declare with `precision` (class, instance or function), `precision_scope` or `an
 locally, and `precision_annot.adapters` hand it to Lightning, DeepSpeed, FSDP and DDP.
 """
 
-from precision_annot.annotation import annotate, precision, precision_scope
+from precision_annot.annotation import annotate, precision
 from precision_annot.audit import audit
 from precision_annot.dtypes import bf16, fp16, fp32, fp64
 from precision_annot.plan import PrecisionPlan
@@ -13,6 +13,7 @@ from precision_annot.policy import Policy
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply, remove
 from precision_annot.scaler import GradScaler
+from precision_annot.scope import precision_scope
 
 __all__ = [
     "fp64",
@@ -31,4 +32,4 @@ __all__ = [
     "GradScaler",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from precision_annot.boundary import device_type_of
 from precision_annot.casting import floating_leaves
 from precision_annot.dtypes import dtype_name, wider
+from precision_annot.guards import require_module, require_plan
 from precision_annot.plan import ModulePlan, PrecisionPlan, format_table
 from precision_annot.policy import autocast_mode
 from precision_annot.resolution import resolve
@@ -396,12 +397,9 @@ class audit:
     """
 
     def __init__(self, model: nn.Module, plan: PrecisionPlan | None = None) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"audit expects an nn.Module. Received: model={model!r} "
-                            f"(of type {type(model).__name__})")
-        if plan is not None and not isinstance(plan, PrecisionPlan):
-            raise TypeError("plan must be a PrecisionPlan or None. Received: "
-                            f"plan={plan!r} (of type {type(plan).__name__})")
+        require_module(model, "audit")
+        if plan is not None:
+            require_plan(plan, "audit")
         self.model = model
         self.plan = plan or applied_plan(model) or resolve(model)
         self._handles: list[RemovableHandle] = []

@@ -6,7 +6,7 @@ import dataclasses
 import difflib
 import json
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias, get_args
 
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 from precision_annot.dtypes import SHORT, dtype_name, fp16, to_dtype
 from precision_annot.policy import FIELDS, Policy, is_boundary
 
-__all__ = ["ModulePlan", "PrecisionPlan", "Source", "parent_name"]
+__all__ = ["ModulePlan", "PrecisionPlan", "Source", "nearest", "parent_name"]
 
 Source: TypeAlias = Literal["instance", "rule", "class", "scope", "inherited", "default"]
 SOURCES: frozenset[str] = frozenset(get_args(Source))
@@ -26,6 +26,15 @@ _JSON_VERSION = 1
 def parent_name(name: str) -> str:
     """The qualified name of a module's parent ("" for the root's children)."""
     return name.rpartition(".")[0]
+
+
+def nearest(names: Iterable[str], chosen: Container[str]) -> dict[str, str | None]:
+    """For each name (listed parents first), the nearest of itself and its ancestors that is
+    in `chosen`, or None: the boundary whose forward runs a module, the unit that holds it."""
+    owner: dict[str, str | None] = {}
+    for name in names:
+        owner[name] = name if name in chosen else (owner[parent_name(name)] if name else None)
+    return owner
 
 
 @dataclasses.dataclass(frozen=True)

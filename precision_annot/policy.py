@@ -20,7 +20,7 @@ from precision_annot.dtypes import (
 )
 
 __all__ = ["FIELDS", "PRESETS", "AutocastMode", "Policy", "PresetName", "SpecLike", "as_policy",
-           "autocast_mode", "is_boundary", "policy_from"]
+           "autocast_mode", "is_boundary", "policy_from", "preset_name"]
 
 FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output")
 
@@ -176,6 +176,15 @@ PRESETS: dict[str, Policy] = {
 }
 
 SpecLike: TypeAlias = Policy | torch.dtype | str
+
+
+def preset_name(compute: torch.dtype | None, storage: torch.dtype | None) -> str | None:
+    """The Lightning precision string with this compute and storage ("bf16-mixed"), or None.
+    Storage left unset reads as storage equal to compute ("-true")."""
+    for name, preset in PRESETS.items():
+        if preset.compute == compute and preset.storage == (storage or compute):
+            return name
+    return None
 
 #: How a module's forward treats autocast: run under it, disable it, or leave it as it is.
 AutocastMode: TypeAlias = Literal["autocast", "off"] | None

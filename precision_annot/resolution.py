@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from precision_annot.annotation import class_tag, instance_tag, scope_tag
 from precision_annot.dtypes import dtype_name
+from precision_annot.guards import require_module
 from precision_annot.plan import ModulePlan, PrecisionPlan, Source, parent_name
 from precision_annot.policy import FIELDS, Policy, SpecLike, as_policy
+from precision_annot.tags import class_tag, instance_tag, scope_tag
 
 __all__ = ["is_container", "resolve"]
 
@@ -50,11 +51,7 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
         >>> plan["1"].policy.compute, plan["0"].sources["compute"]
         (torch.float32, 'inherited')
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"resolve expects an nn.Module. Received: model={model!r} "
-            f"(of type {type(model).__name__})"
-        )
+    require_module(model, "resolve")
     fallback = None if default is None else as_policy(default, argument="default")
     entries: dict[str, ModulePlan] = {}
     modules: dict[str, nn.Module] = {}

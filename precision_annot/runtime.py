@@ -24,7 +24,8 @@ from precision_annot.boundary import (
     Region,
     keep_binding,
 )
-from precision_annot.plan import ModulePlan, PrecisionPlan, parent_name
+from precision_annot.guards import require_module, require_plan
+from precision_annot.plan import ModulePlan, PrecisionPlan, nearest
 from precision_annot.policy import SpecLike, autocast_mode
 from precision_annot.resolution import is_container, resolve
 
@@ -141,14 +142,6 @@ def applied_plan(model: nn.Module) -> PrecisionPlan | None:
 
 # -- the target state -----------------------------------------------------------------------------
 
-def _require_module(value: object, what: str) -> None:
-    if not isinstance(value, nn.Module):
-        raise TypeError(
-            f"{what} expects an nn.Module. Received: model={value!r} "
-            f"(of type {type(value).__name__})"
-        )
-
-
 def check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
     missing = [n for n in plan if n not in named]
     extra = [n for n in named if n not in plan]
@@ -229,15 +222,11 @@ def _layout(plan: PrecisionPlan, named: dict[str, nn.Module], check: bool) -> _L
             if b.dtype != target:
                 casts.append((key, module, b, target))
 
-    owner: dict[str, str | None] = {}
+    checked_root = {""} if check and not plan.root.container else set()
+    owner = nearest(named, set(plan.boundaries) | checked_root)
     boundaries: dict[str, _Install] = {}
     for name, module in named.items():
         entry = plan[name]
-        checked_root = check and not name and not entry.container
-        if entry.boundary or checked_root:
-            owner[name] = name
-        else:
-            owner[name] = owner[parent_name(name)] if name else None
         if entry.container and entry.keep_dtype:
             warnings.warn(f"keep_dtype={entry.keep_dtype} on {name or '(root)'!r} is ignored: "
                           f"{type(module).__name__} has no forward of its own, so nothing "
@@ -431,7 +420,7 @@ def apply(
         >>> model(torch.randn(2, 4)).dtype
         torch.bfloat16
     """
-    _require_module(model, "apply")
+    require_module(model, "apply")
     if plan is None:
         plan = resolve(model, default)
     elif default is not None:
@@ -439,11 +428,8 @@ def apply(
             "apply got both plan= and default=; default is only used to resolve a plan. "
             "Pass default to resolve(model, default=...) instead."
         )
-    elif not isinstance(plan, PrecisionPlan):
-        raise TypeError(
-            "plan must be a PrecisionPlan from resolve() or PrecisionPlan.from_json(). "
-            f"Received: plan={plan!r} (of type {type(plan).__name__})"
-        )
+    else:
+        require_plan(plan, "apply")
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
     named = dict(model.named_modules())
@@ -501,7 +487,7 @@ def remove(model: M) -> M:
         >>> model.weight.dtype
         torch.float32
     """
-    _require_module(model, "remove")
+    require_module(model, "remove")
     originals = _absorb_nested(model)
     _strip(model)
     named = dict(model.named_modules())

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket
+from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
+from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan
 
 __all__ = ["comm_hook"]
@@ -40,11 +41,7 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
         >>> from precision_annot.adapters import ddp  # doctest: +SKIP
         >>> ddp_model.register_comm_hook(None, ddp.comm_hook(resolve(model)))  # doctest: +SKIP
     """
-    if not isinstance(plan, PrecisionPlan):
-        raise TypeError(
-            "comm_hook expects a PrecisionPlan from resolve(model). "
-            f"Received: plan={plan!r} (of type {type(plan).__name__})"
-        )
+    require_plan(plan, "comm_hook")
     comm_of: dict[int, torch.dtype | None] = {
         id(p): entry.policy.comm for _, p, entry in plan.param_policies()
     }

@@ -32,7 +32,17 @@ from typing import Any, Literal, TypeAlias, Union
 import torch
 from torch import nn
 
-from precision_annot.dtypes import LOW_PRECISION, SHORT, bf16, dtype_name, fp16, fp32
+from precision_annot.dtypes import (
+    DTYPE_NAMES,
+    LOW_PRECISION,
+    SHORT,
+    bf16,
+    dtype_name,
+    fp16,
+    fp32,
+    to_dtype,
+)
+from precision_annot.guards import require_module
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
 from precision_annot.resolution import resolve
@@ -43,11 +53,7 @@ __all__ = ["DeepSpeedPlan", "prepare", "to_config", "translate"]
 BaseConfig: TypeAlias = Union[Mapping[str, Any], str, "PathLike[str]", None]
 Case: TypeAlias = Literal["low_storage", "fp32", "autocast"]
 
-_AUTOCAST_DTYPE = {fp16: "float16", bf16: "bfloat16"}
-_DTYPE_FROM_DS: dict[str, torch.dtype] = {
-    "fp32": fp32, "float32": fp32, "float": fp32, "fp16": fp16, "float16": fp16, "half": fp16,
-    "bf16": bf16, "bfloat16": bf16,
-}
+_DS_DTYPES = frozenset({fp32, fp16, bf16})  # what DeepSpeed's precision keys take
 # Strings DeepSpeed's pydantic config models read as booleans.
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0"})
@@ -242,13 +248,17 @@ def _dtype(value: object, key: str) -> torch.dtype | None:
     """A dtype of the base; None when absent or "auto"."""
     if value is None or value == "auto":
         return None
-    text = str(value).lower().removeprefix("torch.")
-    if text not in _DTYPE_FROM_DS:
+    try:
+        dtype = to_dtype(str(value), field=key)
+    except ValueError:
+        dtype = None
+    if dtype not in _DS_DTYPES:
+        valid = [n for n, d in DTYPE_NAMES.items() if d in _DS_DTYPES]
         raise ValueError(
             f"Unknown dtype in base config: {key}={value!r}. Valid: "
-            f"{', '.join(repr(k) for k in _DTYPE_FROM_DS)} or \"auto\""
+            f"{', '.join(repr(k) for k in valid)} or \"auto\""
         )
-    return _DTYPE_FROM_DS[text]
+    return dtype
 
 
 def _stage(config: dict[str, Any]) -> int:
@@ -261,6 +271,11 @@ def _stage(config: dict[str, Any]) -> int:
         raise ValueError("base config: zero_optimization.stage must be 0, 1, 2 or 3. Received: "
                          f"zero_optimization.stage={value!r}")
     return value
+
+
+def _torch_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the spelling torch_autocast.dtype is written in."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _contradiction(key: str, base_value: object, plan_value: object) -> ValueError:
@@ -356,8 +371,8 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
     _fill(config, "torch_autocast", "enabled", True)
     given = _section(config, "torch_autocast").get("dtype")
     if _dtype(given, "torch_autocast.dtype") not in (None, dtype):
-        raise _contradiction("torch_autocast.dtype", given, _AUTOCAST_DTYPE[dtype])
-    _fill(config, "torch_autocast", "dtype", _AUTOCAST_DTYPE[dtype])
+        raise _contradiction("torch_autocast.dtype", given, _torch_name(dtype))
+    _fill(config, "torch_autocast", "dtype", _torch_name(dtype))
     listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
     if listed not in (None, "auto"):
         _check_user_classes(dsp, listed, dtype)
@@ -466,11 +481,7 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
     Returns:
         `model`.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"prepare expects an nn.Module. Received: model={model!r} "
-            f"(of type {type(model).__name__})"
-        )
+    require_module(model, "prepare")
     dsp = translate(model if plan is None else plan)
     apply(model, dsp.plan)  # checks the plan belongs to this model, naming missing modules
     for name, module in model.named_modules():

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from precision_annot.annotation import _matcher
 from precision_annot.dtypes import dtype_name
-from precision_annot.plan import ModulePlan, PrecisionPlan
+from precision_annot.guards import require_plan
+from precision_annot.plan import ModulePlan, PrecisionPlan, nearest, parent_name
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply
+from precision_annot.selectors import Selector, matcher
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
@@ -33,7 +34,7 @@ def _same_or_none(value: torch.dtype | None, base: torch.dtype | None) -> torch.
 
 
 def unit_names(
-    plan: PrecisionPlan, model: nn.Module | None = None, units: Iterable[Any] | None = None
+    plan: PrecisionPlan, model: nn.Module | None = None, units: Iterable[Selector] | None = None
 ) -> list[str]:
     """Names of the modules to shard as units, children before parents, the root last.
 
@@ -44,7 +45,7 @@ def unit_names(
     for name, entry in plan.items():
         if not name:
             continue
-        parent = plan[name.rpartition(".")[0]]
+        parent = plan[parent_name(name)]
         if entry.boundary or entry.policy.storage != parent.policy.storage:
             chosen.add(name)
     if units is not None:
@@ -52,29 +53,23 @@ def unit_names(
             raise ValueError("unit_names: selecting units needs the model.")
         named = list(model.named_modules())
         for selector in units:
-            match, label = _matcher(selector)
-            hits = [n for n, m in named if match(n, m)]
+            match = matcher(selector)
+            hits = match.select(named, rule=f"fully_shard: units selector {match.label}")
             if not hits:
-                raise ValueError(f"fully_shard: units selector {label} matches no module.")
-            chosen.update(hits)
+                raise ValueError(match.no_match(named, "fully_shard: units"))
+            chosen.update(n for n, _ in hits)
     order = [n for n in plan if n in chosen]
     return sorted(order, key=lambda n: -(n.count(".") + 1 if n else 0))
 
 
 def _check_uniform(plan: PrecisionPlan, model: nn.Module, units: list[str]) -> None:
     """Each unit flattens its parameters in one dtype (pytorch issue 156784): check that."""
-    unit_set = set(units)
-    owner: dict[str, str] = {}
-    for name in plan:
-        if name in unit_set:
-            owner[name] = name
-        else:
-            owner[name] = owner[name.rpartition(".")[0]]
+    owner = nearest(plan, set(units))
     per_unit: dict[str, dict[torch.dtype, list[str]]] = {}
     named = dict(model.named_modules())
     for name in plan:
         for p in named[name].parameters(recurse=False):
-            per_unit.setdefault(owner[name], {}).setdefault(p.dtype, []).append(name)
+            per_unit.setdefault(owner[name] or "", {}).setdefault(p.dtype, []).append(name)
     for unit, by_dtype in per_unit.items():
         if len(by_dtype) > 1:
             detail = "; ".join(f"{dtype_name(d)}: {sorted(set(ns))}" for d, ns in by_dtype.items())
@@ -101,7 +96,7 @@ def fully_shard(
     model: nn.Module,
     plan: PrecisionPlan | None = None,
     *,
-    units: Iterable[Any] | None = None,
+    units: Iterable[Selector] | None = None,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """Apply the plan, then FSDP2-shard one unit per boundary (and per selected unit), root last.
@@ -153,7 +148,7 @@ def _mp1(entry: ModulePlan) -> MixedPrecision:
 
 def mixed_precision(plan: PrecisionPlan) -> MixedPrecision:
     """FSDP1's root `MixedPrecision` for the plan: param_dtype=compute, reduce_dtype=comm."""
-    _require_plan(plan)
+    require_plan(plan, "mixed_precision")
     return _mp1(plan.root)
 
 
@@ -180,7 +175,7 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
     """
     from torch.distributed.fsdp.wrap import CustomPolicy
 
-    _require_plan(plan)
+    require_plan(plan, "wrap_policy")
     units = set(unit_names(plan))
 
     class PlanPolicy(CustomPolicy):
@@ -209,11 +204,3 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
             return super()._run_policy(root_module, ignored_modules, root_kwargs)
 
     return PlanPolicy()
-
-
-def _require_plan(plan: object) -> None:
-    if not isinstance(plan, PrecisionPlan):
-        raise TypeError(
-            "Expected a PrecisionPlan from resolve(model). "
-            f"Received: plan={plan!r} (of type {type(plan).__name__})"
-        )
