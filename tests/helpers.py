@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from precision_annot import fp32, precision
 
 
 class Recorder(nn.Module):
@@ -40,14 +46,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def launch(module: str, *args: str, ranks: int, timeout: float,
+           cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m module args` once, or on `ranks` processes under torch.distributed.run,
+    with the repository importable; fail the test with the output if it fails."""
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": port,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if ranks == 1:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+               "--master_port", port, "-m", module, *args]
+    proc: subprocess.CompletedProcess[str] = run_processes(cmd, timeout=timeout, env=env, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
 def run_processes(cmd: list[str], *, timeout: float, **kwargs: Any) -> Any:
     """Run a multi-process launch; retry once only if a process died by a signal.
 
     Seen here once in several full runs: a 2-rank gloo launch aborting (exit -6) with no Python
     error. A test failure (a Python exception, an assertion) is never retried.
     """
-    import subprocess
-
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     died_by_signal = proc.returncode < 0 or "exitcode: -" in proc.stderr
     if proc.returncode != 0 and died_by_signal and "Traceback" not in proc.stderr:
@@ -57,3 +81,20 @@ def run_processes(cmd: list[str], *, timeout: float, **kwargs: Any) -> Any:
                       f"{proc.returncode}): {proc.stderr[-1500:]}", UserWarning, stacklevel=2)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
     return proc
+
+
+def island_model() -> tuple[nn.Sequential, Recorder, Recorder, Recorder]:
+    """DeepSpeed issue 2100's model: f (low) -> g (an fp32 island) -> f (low)."""
+    torch.manual_seed(0)
+    f1 = Recorder(nn.Linear(8, 8))
+    g = precision(fp32)(Recorder(nn.LayerNorm(8)))
+    f2 = Recorder(nn.Linear(8, 4))
+    return nn.Sequential(f1, g, f2), f1, g, f2
+
+
+def encdec() -> nn.Module:
+    """enc and dec, each a Linear then a LayerNorm."""
+    return nn.ModuleDict({
+        "enc": nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)),
+        "dec": nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)),
+    })

@@ -1,4 +1,4 @@
-"""`PrecisionPlan`: JSON that is not a plan is refused with the entry and the key named."""
+"""`PrecisionPlan`: the table, queries, and JSON that round-trips or is refused."""
 
 from __future__ import annotations
 
@@ -6,9 +6,67 @@ import json
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
-from precision_annot import PrecisionPlan, precision, resolve
+from precision_annot import (
+    PrecisionPlan,
+    annotate,
+    apply,
+    bf16,
+    fp32,
+    precision,
+    precision_scope,
+    resolve,
+)
+from precision_annot.runtime import installed_boundaries
+
+
+def _model() -> nn.Module:
+    with precision_scope("bf16-mixed"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    annotate(model, {nn.LayerNorm: "fp32", "2": "output=fp32"})
+    return model
+
+
+def test_plan_table_and_queries() -> None:
+    plan = resolve(_model())
+    text = str(plan)
+    for column in ("module", "type", "compute", "storage", "comm", "output", "source", "params",
+                   "bytes"):
+        assert column in text.splitlines()[0]
+    assert "LayerNorm" in text and "rule" in text and "scope" in text
+    assert plan.boundaries == ("", "1", "2")
+    assert not plan.needs_loss_scaling
+    assert plan.param_bytes_by_dtype == {fp32: (20 + 8 + 10) * 4}
+    assert resolve(nn.Linear(2, 2), default="16-mixed").needs_loss_scaling
+    with pytest.raises(KeyError, match="Names: '', '0'"):
+        plan["3"]
+
+
+def test_param_bytes_follow_planned_storage() -> None:
+    plan = resolve(nn.Sequential(nn.Linear(4, 4), precision(bf16)(nn.Linear(4, 4))))
+    assert plan.param_bytes_by_dtype == {fp32: 80, bf16: 40}
+
+
+def test_json_round_trip_and_reapply_to_a_fresh_instance() -> None:
+    plan = resolve(_model())
+    loaded = PrecisionPlan.from_json(plan.to_json())
+    assert loaded == plan
+    assert loaded.to_json() == plan.to_json()
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))  # no annotations
+    apply(fresh, loaded)
+    assert fresh[1].weight.dtype == fp32
+    out = fresh(torch.randn(3, 4))
+    assert out.dtype == fp32
+    assert installed_boundaries(fresh) == ["", "1", "2"]
+
+
+def test_from_json_rejects_other_text() -> None:
+    with pytest.raises(ValueError, match="not JSON"):
+        PrecisionPlan.from_json("{")
+    with pytest.raises(ValueError, match="precision_annot.plan"):
+        PrecisionPlan.from_json('{"modules": []}')
 
 
 def _data() -> dict[str, Any]:

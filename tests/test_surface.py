@@ -1,4 +1,5 @@
-"""The public surface as DESIGN.md fixes it, and adapters that import their backend lazily."""
+"""The public surface, adapters that import their backend lazily, and the shape of the package:
+no import cycle, no private name imported across modules."""
 
 from __future__ import annotations
 
@@ -28,3 +29,52 @@ def test_core_and_adapters_import_no_backend_until_used() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def _imports() -> tuple[dict[str, set[str]], list[str]]:
+    """The package's own import graph (module -> modules it imports) and its private imports."""
+    import ast
+    from pathlib import Path
+
+    root = Path(precision_annot.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    private = []
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            source = node.module if isinstance(node, ast.ImportFrom) else None
+            if source and source.startswith("precision_annot"):
+                for alias in node.names:
+                    full = f"{source}.{alias.name}"
+                    deps.add(full if full in modules else source)
+                    if full not in modules and alias.name.startswith("_"):
+                        private.append(f"{name} imports {full}")
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph, private
+
+
+def test_the_package_imports_form_no_cycle_and_no_private_name_crosses_modules() -> None:
+    graph, private = _imports()
+    assert private == []
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            assert state.get(dep) != 1, f"import cycle: {' -> '.join([*path, node, dep])}"
+            if dep not in state:
+                visit(dep, [*path, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    # the core needs no adapter
+    core = {n for n in graph if not n.startswith("precision_annot.adapters")}
+    for name in core - {"precision_annot.cli", "precision_annot.demo"}:
+        assert not {d for d in graph[name] if d.startswith("precision_annot.adapters")}, name

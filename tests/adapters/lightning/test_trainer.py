@@ -1,7 +1,9 @@
-"""Lightning Trainer and Fabric with the annotated precision plugins, on CPU, for real."""
+"""The Trainer plugin, `AnnotatedPrecision`, on CPU for real: one device, then 2 processes
+under DDPStrategy, ModelParallelStrategy (FSDP2) and DeepSpeedStrategy."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -9,74 +11,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from precision_annot import bf16, fp16, fp32, precision, resolve
+from precision_annot import bf16, fp16, fp32, resolve
 
 L = pytest.importorskip("lightning")
-from precision_annot.adapters.lightning import (  # noqa: E402
-    AnnotatedPrecision,
-    FabricAnnotatedPrecision,
-)
-
-QUIET = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
-         "enable_model_summary": False}
-
-
-class RecLinear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen = x.dtype
-        return super().forward(x)
-
-
-class RecNorm(nn.LayerNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen = x.dtype
-        return super().forward(x)
-
-
-class Net(L.LightningModule):  # type: ignore[misc]
-    def __init__(self, inf_at: int | None = None) -> None:
-        super().__init__()
-        self.fc1 = RecLinear(8, 16)
-        self.norm = precision(fp32)(RecNorm(16))
-        self.fc2 = RecLinear(16, 1)
-        self.inf_at = inf_at
-        self.batch_dtypes: list[tuple[torch.dtype, ...]] = []
-        self.losses: list[float] = []
-        self.grad_norms: list[float] = []
-        self.snapshots: dict[int, list[torch.Tensor]] = {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.fc2(torch.relu(self.norm(self.fc1(x))))
-        return out
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, idx = batch
-        self.batch_dtypes.append((x.dtype, y.dtype, idx.dtype))
-        loss = nn.functional.mse_loss(self(x).float(), y.float())
-        self.losses.append(loss.item())
-        self.snapshots[self.global_step] = [p.detach().clone() for p in self.parameters()]
-        if self.inf_at is not None and self.global_step == self.inf_at:
-            loss = loss * math.inf
-        return loss
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        grads = [p.grad.float().norm() for p in self.parameters() if p.grad is not None]
-        self.grad_norms.append(float(torch.stack(grads).norm()))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def seen(model: Net) -> dict[str, torch.dtype]:
-    return {n: getattr(model, n).seen for n in ("fc1", "norm", "fc2")}
-
-
-def data() -> DataLoader[Any]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 8, generator=g)
-    return DataLoader(TensorDataset(x, x[:, :1] * 2 + 1, torch.arange(64)), batch_size=16)
+from precision_annot.adapters.lightning import AnnotatedPrecision  # noqa: E402
+from tests.adapters.lightning.models import QUIET, Net, data, seen  # noqa: E402
+from tests.helpers import launch  # noqa: E402
 
 
 @pytest.mark.parametrize(("default", "low"), [("bf16-mixed", bf16), ("16-true", fp16)])
@@ -164,24 +105,40 @@ def test_explicit_plan_is_used() -> None:
     assert plugin.plan is plan and seen(model)["norm"] == fp32
 
 
-def test_fabric_trains_with_fp16_and_an_fp32_island() -> None:
-    torch.manual_seed(0)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[FabricAnnotatedPrecision(
-        default="16-mixed")])
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model, optimizer = fabric.setup(model, optimizer)
-    plugin = fabric.strategy.precision
-    losses = []
-    for x, y, _ in fabric.setup_dataloaders(data()):
-        for _ in range(3):
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x).float(), y)
-            fabric.backward(loss)
-            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
-            optimizer.step()
-            losses.append(loss.item())
-    assert isinstance(plugin, FabricAnnotatedPrecision) and plugin.scaler is not None
-    assert seen(model.module) == {"fc1": fp16, "norm": fp32, "fc2": fp16}
-    assert model.module.norm.weight.dtype == fp32 and model.module.fc1.weight.dtype == fp32
-    assert losses[-1] < losses[0] * 0.7, losses
+# --- 2 processes ------------------------------------------------------------------------------
+
+def run(strategy: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """Lightning's launcher starts the second process itself."""
+    launch("tests.workers.lightning", strategy, str(tmp_path), ranks=1, timeout=300,
+           cwd=tmp_path)
+    return [json.loads((tmp_path / f"{strategy}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def check(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        assert r["batch"] == ["bf16"]  # cast before the transfer
+        assert r["seen"] == {"fc1": ["bf16"], "norm": ["fp32"], "fc2": ["bf16"]}
+        assert set(r["storage"].values()) == {"fp32"}
+        assert r["losses"][-1] < r["losses"][0] * 0.7, r["losses"]
+        dtypes = {d for d, _ in r["reduced"]}
+        assert dtypes == {"bf16", "fp32"}, r["reduced"]  # bf16 for the Linears, fp32 island
+        bf16_n = max(n for d, n in r["reduced"] if d == "bf16")
+        fp32_n = max(n for d, n in r["reduced"] if d == "fp32")
+        assert bf16_n > fp32_n >= 32
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+def test_two_process_strategies_train_with_planned_dtypes(strategy: str, tmp_path: Path) -> None:
+    check(run(strategy, tmp_path))
+
+
+def test_deepspeed_strategy_with_lightnings_cuda_only_check_bypassed(tmp_path: Path) -> None:
+    """Lightning's DeepSpeedStrategy refuses non-CUDA accelerators; the worker skips only that
+    check (and gives CPU devices an index). DeepSpeed itself runs for real on its CPU
+    accelerator with gloo, ZeRO-2, with the config the plugin fills from the DeepSpeed adapter."""
+    ranks = run("deepspeed", tmp_path)
+    check(ranks)
+    assert ranks[0]["config"] == {"torch_autocast": {
+        "enabled": True, "dtype": "bfloat16",
+        "lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}}

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,8 +13,8 @@ from torch import nn
 
 from precision_annot import Policy, bf16, fp16, fp32, precision, resolve
 from precision_annot.adapters import deepspeed as dsa
-from tests.ds_models import ScaledLinear
-from tests.helpers import free_port, run_processes
+from tests.helpers import launch
+from tests.workers.models import ScaledLinear, linear_elements, norm_elements
 
 pytest.importorskip("deepspeed")
 from deepspeed.runtime.config import DeepSpeedConfig
@@ -59,7 +57,7 @@ def test_mixed_precision_maps_to_torch_autocast_with_exact_classes() -> None:
     assert config["torch_autocast"] == {
         "enabled": True, "dtype": "bfloat16",
         # exact classes: the subclass is listed by itself; the LayerNorm reduces in fp32
-        "lower_precision_safe_modules": ["tests.ds_models.ScaledLinear",
+        "lower_precision_safe_modules": ["tests.workers.models.ScaledLinear",
                                          "torch.nn.modules.linear.Linear"],
     }
     assert not caught
@@ -199,24 +197,15 @@ def test_bad_input(tmp_path: Path) -> None:
         dsa.prepare(plan)  # type: ignore[arg-type]
 
 
-# --- real DeepSpeed, CPU accelerator, gloo -------------------------------------------------------
+# --- real DeepSpeed, CPU accelerator, gloo ------------------------------------------------------
 
-WORKER = Path(__file__).with_name("ds_worker.py")
 STAGES = [0, 1, 2, 3]
-LINEAR = 16 * 32 + 32 + 32 * 4 + 4
-NORM = 2 * 32
+LINEAR, NORM = linear_elements(16, 32, 4), norm_elements(32)
 
 
 def run(mode: str, stages: list[int], ranks: int, tmp_path: Path) -> dict[tuple[int, int], Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
-    args = [str(WORKER), mode, ",".join(map(str, stages)), str(tmp_path)]
-    if ranks == 1:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_port", env["MASTER_PORT"], *args]
-    proc = run_processes(cmd, timeout=540, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    launch("tests.workers.deepspeed", mode, ",".join(map(str, stages)), str(tmp_path),
+           ranks=ranks, timeout=540)
     return {(s, r): json.loads((tmp_path / f"{mode}-stage{s}-rank{r}.json").read_text())
             for s in stages for r in range(ranks)}
 

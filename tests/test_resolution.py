@@ -1,0 +1,110 @@
+"""`resolve`: the precedence of the levels, inheritance, containers, tied parameters."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from precision_annot import (
+    Policy,
+    annotate,
+    bf16,
+    fp16,
+    fp32,
+    fp64,
+    precision,
+    precision_scope,
+    resolve,
+)
+
+LEVELS = ["instance", "class", "scope", "inherited", "default"]
+
+
+def _build(levels: set[str]) -> tuple[nn.Module, nn.Module]:
+    """A parent with one child; `levels` says which levels set compute, each to its own dtype."""
+    dtypes = {"instance": fp64, "class": fp16, "scope": bf16, "inherited": fp32}
+
+    class Leaf(nn.Linear):
+        pass
+
+    if "class" in levels:
+        precision(compute=dtypes["class"])(Leaf)
+    if "scope" in levels:
+        with precision_scope(compute=dtypes["scope"]):
+            leaf = Leaf(2, 2)
+    else:
+        leaf = Leaf(2, 2)
+    if "instance" in levels:
+        precision(compute=dtypes["instance"])(leaf)
+    root = nn.Sequential(leaf)
+    if "inherited" in levels:
+        precision(compute=dtypes["inherited"])(root)
+    return root, leaf
+
+
+@pytest.mark.parametrize(("higher", "lower"), list(itertools.combinations(range(len(LEVELS)), 2)))
+def test_precedence_table(higher: int, lower: int) -> None:
+    levels = {LEVELS[higher], LEVELS[lower]} - {"default"}
+    root, _ = _build(levels)
+    has_default = "default" in (LEVELS[higher], LEVELS[lower])
+    default = Policy(compute=torch.float32) if has_default else None
+    entry = resolve(root, default)["0"]
+    winner = LEVELS[higher]
+    expected = {"instance": fp64, "class": fp16, "scope": bf16, "inherited": fp32,
+                "default": fp32}[winner]
+    assert entry.policy.compute == expected
+    # a default reaches the child through the root, so the child sees it as inherited
+    assert entry.sources["compute"] == ("inherited" if winner == "default" else winner)
+
+
+def test_default_fills_root_fields_only_where_nothing_is_set() -> None:
+    root = precision(compute=fp32)(nn.Sequential(nn.Linear(2, 2)))
+    plan = resolve(root, default="bf16-mixed")
+    assert plan[""].policy == Policy(compute=fp32, storage=fp32, comm=fp32)
+    assert plan[""].sources == {"compute": "instance", "storage": "default", "comm": "default",
+                                "output": None}
+
+
+def test_output_is_not_inherited() -> None:
+    model = precision(compute=bf16, output=fp32)(nn.Sequential(nn.Linear(2, 2)))
+    plan = resolve(model)
+    assert plan[""].policy.output == fp32
+    assert plan["0"].policy.output is None
+    assert plan.boundaries == ("",)
+
+
+def test_resolve_and_apply_reject_non_modules() -> None:
+    with pytest.raises(TypeError, match="resolve expects an nn.Module"):
+        resolve([nn.Linear(2, 2)])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="default"):
+        resolve(nn.Linear(2, 2), default=3)  # type: ignore[arg-type]
+
+
+def test_tied_parameters_with_conflicting_storage_name_both_modules() -> None:
+    emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": precision(bf16)(emb), "head": precision(fp32)(head)})
+    with pytest.raises(ValueError, match=r"'emb'.*'head'"):
+        resolve(model)
+    precision(bf16)(head)
+    assert resolve(model)["head"].policy.storage == bf16
+
+
+def test_tied_weights_with_one_owner_unset_and_the_other_bf16_are_an_error() -> None:
+    emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": precision(storage=bf16)(head)})
+    with pytest.raises(ValueError, match=r"shared by modules 'emb' \(storage=fp32, unset.*'head'"):
+        resolve(model)
+
+
+def test_a_containers_output_is_carried_by_its_children() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    annotate(model, {"1": "output=fp32"})
+    plan = resolve(model, default="bf16")
+    assert plan["1.0"].policy.output == fp32 and plan["1.1"].policy.output == fp32
+    assert plan["1.0"].sources["output"] == "inherited"
+    assert plan["0"].policy.output is None  # a parent that runs does not pass output on

@@ -1,0 +1,132 @@
+"""One rank of a DeepSpeed run on the CPU accelerator with gloo, for ZeRO stages 0-3.
+
+`python -m tests.workers.deepspeed MODE STAGES OUTDIR` for one rank, or under
+`torch.distributed.run ... -m tests.workers.deepspeed` for two; MODE is "train" (bf16 layers and
+an fp32 island) or "fp16" (with an overflow step), STAGES like "0,1,2,3". Each rank writes
+OUTDIR/<mode>-stage<S>-rank<R>.json with what it observed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import nn
+
+from precision_annot import resolve
+from precision_annot.adapters import deepspeed as ds_adapter
+from precision_annot.dtypes import dtype_name
+from tests.workers.collectives import recording
+from tests.workers.models import Net
+
+
+def gathered(params: list[nn.Parameter], stage: int) -> list[list[float]]:
+    import deepspeed
+
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters(params):
+            return [p.detach().double().flatten().tolist() for p in params]
+    return [p.detach().double().flatten().tolist() for p in params]
+
+
+def train(engine: Any, net: Net, stage: int, rank: int) -> dict[str, Any]:
+    """5 steps of bf16 layers around the fp32 island."""
+    return _steps(engine, net, stage, rank, overflow_at=None)
+
+
+def fp16(engine: Any, net: Net, stage: int, rank: int) -> dict[str, Any]:
+    """5 steps of fp16 compute, with step 2 made to overflow: it must be skipped."""
+    return _steps(engine, net, stage, rank, overflow_at=2)
+
+
+def _steps(engine: Any, net: Net, stage: int, rank: int,
+           overflow_at: int | None) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    losses, skipped = [], []
+    with recording(dist, c10d) as calls:  # ZeRO-3 calls through c10d directly
+        for step in range(5):
+            loss = nn.functional.mse_loss(engine(x).float(), y)
+            if step == overflow_at:
+                loss = loss * float("inf")
+                before = gathered(list(net.parameters()), stage)
+            engine.backward(loss)
+            engine.step()
+            if step == overflow_at:
+                skipped.append(gathered(list(net.parameters()), stage) == before)
+            losses.append(loss.item())
+    scaler = (getattr(engine, "torch_autocast_z0_gradscaler", None)
+              or getattr(engine.optimizer, "torch_autocast_gradscaler", None))
+    return {
+        "losses": losses,
+        "skipped": skipped,
+        "scale": None if scaler is None else float(scaler.get_scale()),
+        "collectives": sorted({c for c in calls if c[2] > 1}),
+    }
+
+
+MODES = {"train": (train, "bf16"), "fp16": (fp16, "fp16")}
+
+
+def run_stage(mode: str, stage: int, rank: int) -> dict[str, Any]:
+    import deepspeed
+
+    run, default = MODES[mode]
+    torch.manual_seed(0)
+    net = Net(rotary=True)
+    plan = resolve(net, default=default)
+    base = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10_000}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        translated = ds_adapter.translate(plan)
+        config = ds_adapter.to_config(translated, base)
+        ds_adapter.prepare(net, translated)
+    island = list(net.norm.parameters())
+    before = [p.detach().clone().double().flatten().tolist() for p in island]
+    engine, *_ = deepspeed.initialize(
+        model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05), config=config)
+    result: dict[str, Any] = {
+        "config": {k: v for k, v in config.items() if k not in base},
+        "warnings": [str(w.message) for w in caught],
+        "island_storage": [dtype_name(getattr(p, "ds_tensor", p).dtype) for p in island],
+        "inv_freq": dtype_name(net.rope.inv_freq.dtype),  # type: ignore[union-attr]
+    }
+    result.update(run(engine, net, stage, rank))
+    result.update({
+        "seen": net.seen(),
+        "island_before": before,
+        "island_after": gathered(island, stage),
+        "params": gathered(list(net.parameters()), stage),
+        "comm_dtype": {n: dtype_name(p.comm_dtype) for n, p in net.named_parameters()
+                       if hasattr(p, "comm_dtype")},
+    })
+    engine.destroy()
+    return result
+
+
+def main() -> None:
+    mode, stages, outdir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], Path(sys.argv[3])
+    import deepspeed
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    for stage in stages:
+        result = run_stage(mode, stage, rank)
+        (outdir / f"{mode}-stage{stage}-rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
