@@ -1,19 +1,19 @@
 """Overhead of `apply` against the same model written by hand with `.to()` casts.
 
-One process, alternating runs, median ratios. Two measurements:
+One process, alternating runs, median ratios (applied / hand-written). Three measurements:
 
-1. a GPT-like model (d=256, 4 layers, batch 8x128, CPU), bf16 storage and compute with fp32
-   LayerNorms: forward + backward, applied vs hand-cast;
-2. a tiny model made of boundary crossings only: the cost per crossing, forward + backward,
-   in microseconds.
+1. gpt: a GPT-like model in bf16 with fp32 LayerNorms, forward + backward, eager;
+2. chain: 64 parameterless fp32 islands in a bf16 chain, forward + backward, one thread: a model
+   made of boundary crossings only, so the per-call cost of a boundary is all there is;
+3. compiled: the GPT of (1) under `torch.compile(fullgraph=True)`, applied against hand-written.
 
-Run: `make bench` (or `python benchmarks/overhead.py --quick`).
+Run: `make bench`, or `python benchmarks/overhead.py [--quick] [--only gpt,chain,compiled]`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -49,7 +49,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 512, d: int = 256, layers: int = 4, heads: int = 4,
+    def __init__(self, vocab: int = 512, d: int = 128, layers: int = 2, heads: int = 4,
                  hand_cast: bool = False) -> None:
         super().__init__()
         self.hand_cast = hand_cast
@@ -68,6 +68,7 @@ class GPT(nn.Module):
 
 
 def gpt_pair() -> tuple[nn.Module, nn.Module]:
+    """The applied GPT (fp32 LayerNorm islands in bf16) and the same written by hand."""
     torch.manual_seed(0)
     hand = GPT(hand_cast=True)
     applied = GPT(hand_cast=False)
@@ -102,6 +103,14 @@ class Chain(nn.Module):
         return x
 
 
+def chain_pair(n: int = 64) -> tuple[nn.Module, nn.Module]:
+    applied, hand = Chain(n, hand_cast=False), Chain(n, hand_cast=True)
+    annotate(applied, {"islands.*": "fp32"})
+    apply(applied, default="bf16")
+    hand.to(bf16)
+    return applied, hand
+
+
 def timed(fn: Callable[[], None]) -> float:
     start = time.perf_counter()
     fn()
@@ -130,42 +139,58 @@ def step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
+def report(label: str, ta: list[float], tb: list[float], unit: float = 1e3,
+           name: str = "ms") -> float:
+    ratio = statistics.median([a / b for a, b in zip(ta, tb, strict=True)])
+    print(f"{label}, {len(ta)} alternating pairs")
+    print(f"  applied   median {statistics.median(ta) * unit:9.3f} {name}")
+    print(f"  hand .to  median {statistics.median(tb) * unit:9.3f} {name}")
+    print(f"  ratio     median {ratio:.3f}")
+    return ratio
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--only", default="gpt,chain,compiled",
+                        help="comma-separated: gpt, chain, compiled")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    reps = 6 if args.quick else 16
+    which = set(args.only.split(","))
+    reps = 6 if args.quick else 20
+    print(f"torch {torch.__version__}, python {platform.python_version()}, "
+          f"{platform.machine()}, {torch.get_num_threads()} threads")
+    tokens = torch.randint(0, 512, (4, 64))
 
-    applied, hand = gpt_pair()
-    tokens = torch.randint(0, 512, (8, 128))
-    out_a, out_h = applied(tokens), hand(tokens)
-    max_diff = (out_a.float() - out_h.float()).abs().max().item()
-    ta, th = alternate(step(applied, tokens), step(hand, tokens), reps)
-    ratios = [a / h for a, h in zip(ta, th, strict=True)]
-    print(f"GPT-like d=256, 4 layers, batch 8x128, bf16 + fp32 LayerNorms, fwd+bwd, {reps} runs")
-    print(f"  applied   median {statistics.median(ta) * 1e3:8.2f} ms")
-    print(f"  hand .to  median {statistics.median(th) * 1e3:8.2f} ms")
-    print(f"  ratio     median {statistics.median(ratios):.3f}  (max |diff| of logits "
-          f"{max_diff:.1e})")
+    if "gpt" in which:
+        applied, hand = gpt_pair()
+        diff = (applied(tokens).float() - hand(tokens).float()).abs().max().item()
+        ta, tb = alternate(step(applied, tokens), step(hand, tokens), reps * 5)
+        report("GPT d=128, 2 layers, batch 4x64, bf16 + fp32 LayerNorms, fwd+bwd, eager", ta, tb)
+        print(f"  max |diff| of logits {diff:.1e}")
 
-    n = 64
-    chain_a, chain_h = Chain(n, hand_cast=False), Chain(n, hand_cast=True)
-    for island in chain_a.islands:
-        island.__dict__.pop("_precision_annot_instance", None)
-    annotate(chain_a, {"islands.*": "fp32"})
-    apply(chain_a, default="bf16")
-    chain_h.to(bf16)
-    x = torch.randn(4, 8, dtype=bf16, requires_grad=True)
-    reps_c = reps * 5
-    ta, th = alternate(step(chain_a, x), step(chain_h, x), reps_c)
-    per = [(a - h) / n * 1e6 for a, h in zip(ta, th, strict=True)]
-    full = statistics.median(ta) / n * 1e6
-    print(f"boundary crossing, tiny model ({n} fp32 islands in bf16), fwd+bwd, {reps_c} runs")
-    print(f"  applied per crossing        {full:6.1f} us (whole step / crossings)")
-    print(f"  overhead over hand .to()    {statistics.median(per):6.1f} us per crossing")
-    if not math.isfinite(max_diff):
-        raise SystemExit("non-finite logits")
+    if "chain" in which:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        applied, hand = chain_pair()
+        x = torch.randn(4, 8, dtype=bf16, requires_grad=True)
+        ta, tb = alternate(step(applied, x), step(hand, x), reps * 20)
+        report("chain of 64 fp32 islands in bf16, fwd+bwd, 1 thread", ta, tb)
+        per = statistics.median([(a - b) / 64 for a, b in zip(ta, tb, strict=True)])
+        print(f"  overhead  median {per * 1e6:9.2f} us per crossing (entry + exit, fwd + bwd)")
+        torch.set_num_threads(threads)
+
+    if "compiled" in which:
+        applied, hand = gpt_pair()
+        start = time.perf_counter()
+        compiled_a = torch.compile(applied, fullgraph=True)
+        compiled_h = torch.compile(hand, fullgraph=True)
+        step(compiled_a, tokens)()
+        step(compiled_h, tokens)()
+        print(f"compiling both: {time.perf_counter() - start:.0f} s")
+        diff = (compiled_a(tokens).float() - compiled_h(tokens).float()).abs().max().item()
+        ta, tb = alternate(step(compiled_a, tokens), step(compiled_h, tokens), reps * 25)
+        report("GPT as above, torch.compile(fullgraph=True), fwd+bwd", ta, tb)
+        print(f"  max |diff| of logits {diff:.1e}")
 
 
 if __name__ == "__main__":

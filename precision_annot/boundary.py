@@ -44,28 +44,29 @@ _AUTOCAST_DEVICES: dict[str, bool] = {
 }
 
 
-def autocast_context(
-    mode: AutocastMode, device_type: str, dtype: torch.dtype | None, compiling: bool = False
-) -> contextlib.AbstractContextManager[Any] | None:
-    """The autocast context a region with this autocast mode needs, or None when nothing has
-    to change (entering autocast costs about 7 us even when it changes nothing), or when the
-    device has no autocast (meta tensors)."""
-    if mode is None:
-        return None
+def _autocast_available(device_type: str) -> bool:
     available = _AUTOCAST_DEVICES.get(device_type)
     if available is None:
         available = _AUTOCAST_DEVICES[device_type] = torch.amp.is_autocast_available(device_type)
-    if not available:
+    return available
+
+
+def autocast_context(
+    mode: AutocastMode, device_type: str, dtype: torch.dtype | None
+) -> contextlib.AbstractContextManager[Any] | None:
+    """The autocast context a region with this autocast mode needs, or None when nothing has
+    to change (entering autocast costs about 7 us even when it changes nothing, and inside
+    `torch.compile` a context that changes nothing still splits the graph), or when the
+    device has no autocast (meta tensors). Under `torch.compile` the state is read at trace
+    time and guarded."""
+    if mode is None or not _autocast_available(device_type):
         return None
-    if not compiling:
-        enabled = torch.is_autocast_enabled(device_type)
-        if mode == "off" and not enabled:
-            return None
-        if mode == "autocast" and enabled and torch.get_autocast_dtype(device_type) == dtype:
-            return None
-    if mode == "autocast":
-        return torch.autocast(device_type, dtype=dtype, enabled=True)
-    return torch.autocast(device_type, enabled=False)
+    enabled = torch.is_autocast_enabled(device_type)
+    if mode == "off":
+        return torch.autocast(device_type, enabled=False) if enabled else None
+    if enabled and torch.get_autocast_dtype(device_type) == dtype:
+        return None
+    return torch.autocast(device_type, dtype=dtype, enabled=True)
 
 
 def device_type_of(
@@ -336,8 +337,14 @@ class Boundary:
         self.spec = spec
         self.region = region
         self.planned = planned
+        # What the fast path reads, decided here once: one tensor argument, nothing kept,
+        # nothing checked, no parameter to cast.
         self.fast = (spec is not None and region is None and not spec.check
                      and not spec.keep_positions and not spec.keep_names)
+        self._compute = None if spec is None else spec.compute
+        self._mode = None if spec is None else spec.mode
+        self._exit = None if spec is None else spec.exit
+        self._to_input = spec is not None and spec.exit_to_input
 
     @property
     def active(self) -> bool:
@@ -383,60 +390,91 @@ class Boundary:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # first: Dynamo folds it, so it costs no guard
+            return self._compiled(args, kwargs)
         spec = self.spec
         if spec is None:
             return self._run(*args, **kwargs)
-        if (self.fast and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
-                and not torch.autograd.profiler._is_profiler_enabled
-                and not torch.compiler.is_compiling()):
-            return self._call_one(args[0], spec)
-        return self._call(args, kwargs, spec)
-
-    def _call_one(self, x: torch.Tensor, spec: BoundarySpec) -> Any:
-        """The fast path: one tensor in, nothing kept or checked, no parameter to cast."""
-        floating = x.is_floating_point()
+        if not (self.fast and len(args) == 1 and not kwargs) or (
+                torch.autograd.profiler._is_profiler_enabled):
+            return self._call(args, kwargs, spec)
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            return self._call(args, kwargs, spec)
+        # The fast path: one tensor in. Every check here is one that costs well under a
+        # microsecond; a cast to the dtype a tensor has is skipped.
         source = x.dtype
+        compute = self._compute
         cast = None
-        if floating and spec.compute is not None and source != spec.compute:
-            x = cast = x.to(spec.compute)
-        context = autocast_context(spec.mode, x.device.type, spec.compute)
+        if compute is not None and source != compute and x.is_floating_point():
+            x = cast = x.to(compute)
+        mode = self._mode
+        device = "cpu" if x.is_cpu else x.device.type
         try:
-            if context is None:
+            if mode is None or not _autocast_available(device) or (
+                    mode == "off" and not torch.is_autocast_enabled(device)):
                 out = self._run(x)
             else:
-                with context:
+                context = autocast_context(mode, device, compute)
+                if context is None:
                     out = self._run(x)
+                else:
+                    with context:
+                        out = self._run(x)
         except RuntimeError as e:
             self._explain(e)
             raise
-        if cast is not None and not cast.is_inference() and cast._version > 0:
-            self._warn_modified("argument 0")
-        target = spec.exit
-        if spec.exit_to_input:
-            target = source if floating else None
+        if cast is not None:
+            try:
+                modified = cast._version > 0
+            except RuntimeError:  # an inference tensor has no version counter
+                modified = False
+            if modified:
+                self._warn_modified("argument 0")
+        target = self._exit
+        if self._to_input:
+            target = source if source.is_floating_point else None
         if isinstance(out, torch.Tensor):
-            if target is not None and out.is_floating_point() and out.dtype != target:
+            if target is not None and out.dtype != target and out.is_floating_point():
                 return out.to(target)
             return out
-        return self._exit(out, target, spec, context_of=(spec.mode, x.device.type))
+        return self._exit_tree(out, target, spec, context_of=(mode, device))
+
+    def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The call under `torch.compile`, traced into the graph once. Every attribute read
+        here becomes a guard checked at each call, so it reads one record: the spec."""
+        spec = self.spec
+        if spec is None:
+            return self._run(*args, **kwargs)
+        first = first_floating((args, kwargs)) if (
+            spec.mode is not None or spec.exit_to_input) else None
+        if spec.compute is not None:
+            args, kwargs = self._cast_inputs(args, kwargs, spec, None)
+        device = first.device.type if first is not None else device_type_of(
+            None, args, kwargs, self.module)
+        context = autocast_context(spec.mode, device, spec.compute)
+        region = _NULL if self.region is None else self.region.swapped(self.module)
+        with region, (context or _NULL):
+            out = self._run(*args, **kwargs)
+        target = first.dtype if spec.exit_to_input and first is not None else spec.exit
+        return out if target is None else cast_tree(out, target)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: BoundarySpec) -> Any:
-        compiling = torch.compiler.is_compiling()
-        check = spec.check and not compiling
+        check = spec.check
         first = None
         if spec.mode is not None or spec.exit_to_input or spec.compute is not None:
             first = first_floating((args, kwargs))
-        copies: Copies | None = None if compiling else []
+        copies: Copies = []
         if spec.compute is not None:
             with _traced("cast_inputs", spec.name):
                 args, kwargs = self._cast_inputs(args, kwargs, spec, copies)
         if check:
             check_tree((args, kwargs), spec.name, "entry")
         device = device_type_of(first, args, kwargs, self.module)
-        context = autocast_context(spec.mode, device, spec.compute, compiling)
+        context = autocast_context(spec.mode, device, spec.compute)
         region: contextlib.AbstractContextManager[Any] = _NULL
         if self.region is not None:
-            swap = compiling or self.exclusive
+            swap = self.exclusive
             region = self.region.swapped(self.module) if swap else self.region.active()
         try:
             with region, (context or _NULL):
@@ -450,7 +488,7 @@ class Boundary:
         target = spec.exit
         if spec.exit_to_input:
             target = first.dtype if first is not None else None
-        return self._exit(out, target, spec, context_of=(spec.mode, device), check=check)
+        return self._exit_tree(out, target, spec, context_of=(spec.mode, device), check=check)
 
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: BoundarySpec,
@@ -470,7 +508,7 @@ class Boundary:
         }
         return new_args, new_kwargs
 
-    def _exit(self, out: Any, target: torch.dtype | None, spec: BoundarySpec,
+    def _exit_tree(self, out: Any, target: torch.dtype | None, spec: BoundarySpec,
               context_of: tuple[AutocastMode, str], check: bool = False) -> Any:
         if isinstance(out, types.GeneratorType):
             return self._generator(out, target, spec, context_of)
@@ -611,7 +649,7 @@ def wrap_function(
             kwargs = {k: v if k in names else cast_tree(v, spec.compute)
                       for k, v in kwargs.items()}
         device = device_type_of(first, args, kwargs)
-        context = autocast_context("off", device, None, torch.compiler.is_compiling())
+        context = autocast_context("off", device, None)
         with context or _NULL:
             out = fn(*args, **kwargs)
         target = spec.exit or (first.dtype if first is not None else None)
@@ -624,8 +662,7 @@ def wrap_function(
 # -- where are we ---------------------------------------------------------------------------------
 
 _FORWARD_CODES = frozenset({
-    Boundary.__call__.__code__, Boundary._call.__code__, Boundary._call_one.__code__,
-    Boundary._generator.__code__,
+    Boundary.__call__.__code__, Boundary._call.__code__, Boundary._generator.__code__,
 })
 
 

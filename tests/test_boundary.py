@@ -717,3 +717,18 @@ def test_batchnorm_statistics_in_an_island_are_kept_under_compile() -> None:
         assert_close(run(x), eager(x), rtol=0, atol=0)
     assert_close(compiled[1].running_mean, eager[1].running_mean, rtol=0, atol=0)
     assert compiled[1].running_mean.abs().sum() > 0 and int(compiled[1].num_batches_tracked) == 3
+
+
+def test_compiled_islands_follow_the_autocast_state_of_each_call() -> None:
+    """Under torch.compile a boundary reads the autocast state at trace time (a guard
+    recompiles when it changes), so an island switches off an outer autocast it meets later."""
+    island = precision(fp32)(Recorder(nn.LayerNorm(4)))
+    model = nn.Sequential(nn.Linear(4, 4), island, nn.Linear(4, 4))
+    apply(model, default="bf16")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 4)
+    plain = compiled(x)
+    with torch.autocast("cpu", dtype=bf16):
+        inside = compiled(x)
+    assert plain.dtype == inside.dtype == bf16
+    assert_close(inside, model(x), rtol=0, atol=0)  # the island ran in fp32 both times
