@@ -6,7 +6,7 @@ locally, and `precision_annot.adapters` hand it to Lightning, DeepSpeed, FSDP an
 """
 
 from precision_annot.annotation import annotate, precision
-from precision_annot.audit import audit
+from precision_annot.auditing import audit
 from precision_annot.dtypes import bf16, fp16, fp32, fp64
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
@@ -14,6 +14,7 @@ from precision_annot.resolution import resolve
 from precision_annot.runtime import apply, remove
 from precision_annot.scaler import GradScaler
 from precision_annot.scope import precision_scope
+from precision_annot.suggestion import suggest
 
 __all__ = [
     "fp64",
@@ -30,6 +31,7 @@ __all__ = [
     "PrecisionPlan",
     "audit",
     "GradScaler",
+    "suggest",
 ]
 
 __version__ = "0.2.0"

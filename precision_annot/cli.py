@@ -1,4 +1,5 @@
-"""The `precision-annot` command: report a plan, audit what runs, export backend configs, demo."""
+"""The `precision-annot` command: report a plan, audit what runs, suggest islands, export backend
+configs, run the demo."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def load_target(target: str) -> nn.Module:
     return model
 
 
-def load_object(target: str) -> Any:
-    """Import `package.module:name` or `path/to/file.py:name`; call it if it is callable."""
+def load_object(target: str, *, call: bool = True) -> Any:
+    """Import `package.module:name` or `path/to/file.py:name`; call it if it is callable
+    (and `call` is True)."""
     module_part, sep, attr = target.rpartition(":")
     if not sep or not module_part or not attr:
         raise CLIError(
@@ -65,6 +67,8 @@ def load_object(target: str) -> Any:
     fn = getattr(module, attr, None)
     if fn is None:
         raise CLIError(f"{module_part!r} has no attribute {attr!r}.")
+    if not call:
+        return fn
     try:
         return fn() if callable(fn) and not isinstance(fn, (nn.Module, torch.Tensor)) else fn
     except Exception as e:
@@ -116,7 +120,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from precision_annot.audit import audit
+    from precision_annot.auditing import audit
     from precision_annot.runtime import apply
     from precision_annot.samples import step
 
@@ -137,6 +141,37 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                        ) from e
     print(report)
     return 1 if report.divergences else 0
+
+
+def _cmd_suggest(args: argparse.Namespace) -> int:
+    from precision_annot.suggestion import suggest
+
+    model = load_target(args.target)
+    sample = load_object(args.sample)
+    loss_fn = None
+    if args.loss is not None:
+        loss_fn = load_object(args.loss, call=False)
+        if not callable(loss_fn):
+            raise CLIError(f"--loss {args.loss} must name a callable: output -> loss.")
+    try:
+        found = suggest(model, sample, low=args.low, loss_fn=loss_fn, tolerance=args.tolerance)
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    print(found.to_json() if args.json else found)
+    for path, text in ((args.out, found.plan.to_json()),):
+        if path is not None:
+            try:
+                Path(path).write_text(text + "\n")
+            except OSError as e:
+                raise CLIError(f"Cannot write {path!r}: {e.strerror or e}") from e
+            print(f"wrote the plan to {path}", file=sys.stderr)
+    if args.plot is not None:
+        try:
+            found.plot(args.plot)
+        except ImportError as e:
+            raise CLIError(str(e)) from e
+        print(f"wrote the plot to {args.plot}", file=sys.stderr)
+    return 0 if found.met else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -176,6 +211,23 @@ def _parser() -> argparse.ArgumentParser:
     aud.add_argument("--plan", metavar="PLAN.json", help="apply this plan instead of resolving")
     aud.add_argument("--forward-only", action="store_true", help="skip the backward")
     aud.set_defaults(func=_cmd_audit)
+    sug = sub.add_parser("suggest", help="find the fp32 islands a model needs in fp16 or bf16, "
+                         "verified end to end (exit status 1 if none meets the tolerance)")
+    sug.add_argument("target", help="package.module:callable or path/to/file.py:callable")
+    sug.add_argument("--sample", required=True, metavar="TARGET",
+                     help="a callable giving a batch: a tensor, a dict of keyword arguments, "
+                          "or (args, kwargs)")
+    sug.add_argument("--low", default="bf16", metavar="SPEC",
+                     help="everything else runs in this: bf16, fp16, bf16-mixed, 16-mixed "
+                          "(default: bf16)")
+    sug.add_argument("--tolerance", type=float, metavar="X",
+                     help="largest relative error end to end (default: 1e-2 fp16, 5e-2 bf16)")
+    sug.add_argument("--loss", metavar="TARGET",
+                     help="a function output -> loss: then gradients are checked too")
+    sug.add_argument("--out", metavar="PLAN.json", help="write the suggested plan here")
+    sug.add_argument("--plot", metavar="FILE.png", help="write the sensitivity chart here")
+    sug.add_argument("--json", action="store_true", help="print the suggestion as JSON")
+    sug.set_defaults(func=_cmd_suggest)
     demo = sub.add_parser("demo", help="annotate, plan and train a small transformer")
     demo.add_argument("--fast", action="store_true", help="fewer steps")
     demo.add_argument("--out", default="demo-output", help="where to write the DeepSpeed config")

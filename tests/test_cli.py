@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from precision_annot import PrecisionPlan, resolve
 from precision_annot.cli import main
@@ -124,3 +125,59 @@ def test_a_plan_file_target_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "non-empty list" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     assert "Cannot read" in capsys.readouterr().err
+
+
+SUGGEST_MODEL = '''
+import torch
+from torch import nn
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wi, self.wo = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi(x)) * 2.0 ** 16) / 2.0 ** 16
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) * 2.0 ** 32
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), FeedForward(), nn.Linear(16, 4))
+
+def make_root():
+    return nn.Sequential(nn.Linear(8, 16), Root())
+
+def make_batch():
+    return torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 3
+
+def loss(output):
+    return output.float().pow(2).mean()
+'''
+
+
+def test_suggest_writes_a_plan_the_other_commands_take(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    script = tmp_path / "sugmod.py"
+    script.write_text(SUGGEST_MODEL)
+    plan_path, png = tmp_path / "plan.json", tmp_path / "sensitivity.png"
+    assert main(["suggest", f"{script}:make_model", "--sample", f"{script}:make_batch",
+                 "--low", "fp16", "--tolerance", "1e-2", "--loss", f"{script}:loss",
+                 "--out", str(plan_path), "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "fp32 islands (1, " in out and "): 1\n" in out
+    plan = PrecisionPlan.from_json(plan_path.read_text())
+    assert plan["1"].policy.compute == torch.float32 and plan["0"].policy.compute == torch.float16
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["export", "deepspeed", str(plan_path)]) == 0  # fp32 island in fp16: mixed
+    assert json.loads(capsys.readouterr().out)["torch_autocast"]["dtype"] == "float16"
+    assert main(["suggest", f"{script}:make_root", "--sample", f"{script}:make_batch",
+                 "--low", "fp16"]) == 1
+    assert "No plan short of the whole model" in capsys.readouterr().out

@@ -36,7 +36,8 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 MODULES = ["precision_annot.policy", "precision_annot.annotation", "precision_annot.resolution",
-           "precision_annot.runtime", "precision_annot.audit", "precision_annot.scaler"]
+           "precision_annot.runtime", "precision_annot.auditing", "precision_annot.scaler",
+           "precision_annot.suggestion"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -12,7 +12,7 @@ import precision_annot
 def test_public_names() -> None:
     assert set(precision_annot.__all__) == {
         "fp64", "fp32", "fp16", "bf16", "Policy", "precision", "precision_scope", "annotate",
-        "resolve", "apply", "remove", "PrecisionPlan", "audit", "GradScaler",
+        "resolve", "apply", "remove", "PrecisionPlan", "audit", "GradScaler", "suggest",
     }
     for name in precision_annot.__all__:
         assert getattr(precision_annot, name) is not None

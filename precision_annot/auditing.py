@@ -10,9 +10,7 @@ and `AuditReport.divergences` lists every difference from the plan.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -32,25 +30,13 @@ from precision_annot.plan import ModulePlan, PrecisionPlan, format_table
 from precision_annot.policy import autocast_mode
 from precision_annot.resolution import resolve
 from precision_annot.runtime import applied_plan, check_matches, find_boundary
+from precision_annot.tracking import DATA_MOVEMENT, ModuleTracker
 
 __all__ = ["AuditReport", "Divergence", "ModuleRecord", "audit"]
 
 Phase: TypeAlias = Literal["forward", "backward", "state"]
 
-# Ops that move or select data rather than compute: a cast, a copy, a view, a concatenation, a
-# gather. Their dtype is whatever they were given, so they say nothing about compute.
-_DATA_MOVEMENT = frozenset({
-    "_to_copy", "to", "copy", "copy_", "clone", "detach", "alias", "lift_fresh",
-    "lift_fresh_copy", "contiguous", "_unsafe_view", "cat", "stack", "index", "index_select",
-    "gather", "scatter", "select_scatter", "slice_scatter", "masked_fill", "masked_fill_",
-    "masked_select", "fill", "fill_", "zero_", "where", "embedding", "roll", "flip", "repeat",
-    "repeat_interleave", "constant_pad_nd", "index_put", "index_put_", "zeros_like",
-    "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "new_empty",
-    "new_zeros", "new_ones", "new_full", "_local_scalar_dense", "split_with_sizes",
-    "unbind", "split", "chunk", "narrow", "tril", "triu", "_reshape_alias", "unfold",
-})
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
-_NO_OWNER_NODES = frozenset({"ToCopyBackward0", "AccumulateGrad"})
 
 
 @dataclasses.dataclass
@@ -244,36 +230,14 @@ class AuditReport:
                 f"{len(self.divergences)} divergences)")
 
 
-class _Tracker:
-    """Charges ops to modules: a module stack in forward, autograd sequence numbers for
-    backward."""
+class _Recorder:
+    """Records each tracked module's calls, inputs, tensors and outputs."""
 
-    def __init__(self, names: dict[nn.Module, str], records: dict[str, ModuleRecord]) -> None:
-        self.names = names
+    def __init__(self, records: dict[str, ModuleRecord]) -> None:
         self.records = records
-        self.stack: list[str] = []
-        self.seqs: list[int] = []  # sorted: a node with this sequence number or later ...
-        self.owners: list[str | None] = []  # ... was made while this module was innermost
-        self.thread = threading.get_ident()
 
-    def mark(self) -> None:
-        self.seqs.append(torch._C._autograd._get_sequence_nr())
-        self.owners.append(self.stack[-1] if self.stack else None)
-
-    def owner_of_node(self) -> str | None:
-        node = torch._C._current_autograd_node()
-        # A cast's backward node also accumulates the gradient of the tensor it was cast
-        # from, in the caller's dtype: that is the caller's, not the module's.
-        if node is None or type(node).__name__ in _NO_OWNER_NODES:
-            return None
-        seq = node._sequence_nr()
-        i = bisect.bisect_right(self.seqs, seq) - 1
-        return self.owners[i] if i >= 0 else None
-
-    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        name = self.names.get(module)
-        if name is None or threading.get_ident() != self.thread:
-            return
+    def enter(self, name: str, module: nn.Module, args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> None:
         record = self.records[name]
         record.calls += 1
         leaves: list[torch.Tensor] = []
@@ -283,17 +247,8 @@ class _Tracker:
             record.first_inputs.add(leaves[0].dtype)
         for tname, t in _own_tensors(module):
             record.tensors[tname] = t.dtype
-        self.stack.append(name)
-        self.mark()
 
-    def post(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             output: Any) -> None:
-        name = self.names.get(module)
-        if name is None or threading.get_ident() != self.thread:
-            return
-        if self.stack and self.stack[-1] == name:
-            self.stack.pop()
-        self.mark()
+    def exit(self, name: str, module: nn.Module, output: Any) -> None:
         leaves: list[torch.Tensor] = []
         floating_leaves(output, leaves)
         self.records[name].outputs.update(t.dtype for t in leaves)
@@ -312,14 +267,15 @@ def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the dtype each floating op computes in, after autocast, at dispatch."""
 
-    def __init__(self, tracker: _Tracker) -> None:
+    def __init__(self, tracker: ModuleTracker, records: dict[str, ModuleRecord]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.tracker = tracker
+        self.records = records
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func.overloadpacket.__name__ in _DATA_MOVEMENT:
+        if func.is_view or func.overloadpacket.__name__ in DATA_MOVEMENT:
             return out
         inputs: list[torch.Tensor] = []
         floating_leaves((args, kwargs), inputs)
@@ -327,18 +283,12 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
-        if not results:
+        owner = self.tracker.owner() if results else None
+        if owner is None:
             return out
-        tracker = self.tracker
-        if tracker.stack:
-            counter = tracker.records[tracker.stack[-1]].forward_ops
-        elif torch._C._current_graph_task_id() != -1:
-            owner = tracker.owner_of_node()
-            if owner is None:
-                return out
-            counter = tracker.records[owner].backward_ops
-        else:
-            return out
+        name, phase = owner
+        record = self.records[name]
+        counter = record.forward_ops if phase == "forward" else record.backward_ops
         for t in results:
             counter[t.dtype] += 1
         return out
@@ -348,9 +298,10 @@ class _AutocastState(TorchFunctionMode):
     """Records the autocast state each module's own code runs under (seen above dispatch,
     where autocast has not yet changed it)."""
 
-    def __init__(self, tracker: _Tracker) -> None:
+    def __init__(self, tracker: ModuleTracker, records: dict[str, ModuleRecord]) -> None:
         super().__init__()
         self.tracker = tracker
+        self.records = records
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -358,14 +309,14 @@ class _AutocastState(TorchFunctionMode):
         out = func(*args, **kwargs)
         tracker = self.tracker
         name = getattr(func, "__name__", "")
-        if not tracker.stack or name in _CASTS or name in _DATA_MOVEMENT:
+        if not tracker.stack or name in _CASTS or name in DATA_MOVEMENT:
             return out
         if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out
         device = device_type_of(None, tuple(args), kwargs)
         enabled = torch.is_autocast_enabled(device)
         state = (enabled, torch.get_autocast_dtype(device) if enabled else None)
-        tracker.records[tracker.stack[-1]].autocast.add(state)
+        self.records[tracker.stack[-1]].autocast.add(state)
         return out
 
 
@@ -404,6 +355,7 @@ class audit:
         self.plan = plan or applied_plan(model) or resolve(model)
         self._handles: list[RemovableHandle] = []
         self._modes: list[Any] = []
+        self._tracker: ModuleTracker | None = None
         self.report: AuditReport | None = None
 
     def __enter__(self) -> AuditReport:
@@ -417,17 +369,15 @@ class audit:
         installed = {n: bool((b := find_boundary(m)[0]) and b.active) for m, n in names.items()}
         for module, name in names.items():
             records[name].tensors = {t: v.dtype for t, v in _own_tensors(module)}
-        tracker = _Tracker(names, records)
+        recorder = _Recorder(records)
+        tracker = self._tracker = ModuleTracker(names, recorder.enter, recorder.exit)
+        tracker.__enter__()
         for module in names:
-            self._handles.append(module.register_forward_pre_hook(tracker.pre,
-                                                                  with_kwargs=True))
-            self._handles.append(module.register_forward_hook(tracker.post, with_kwargs=True,
-                                                              always_call=True))
             for pname, p in module.named_parameters(recurse=False):
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         _grad_recorder(records[names[module]], pname)))
-        self._modes = [_AutocastState(tracker), _OpDtypes(tracker)]
+        self._modes = [_AutocastState(tracker, records), _OpDtypes(tracker, records)]
         for mode in self._modes:
             mode.__enter__()
         self.report = AuditReport(self.plan, records, installed)
@@ -438,6 +388,8 @@ class audit:
                  tb: TracebackType | None) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(exc_type, exc, tb)
+        if self._tracker is not None:
+            self._tracker.__exit__(exc_type, exc, tb)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -1,0 +1,211 @@
+"""`suggest`: it finds the modules that must stay fp32, verified end to end, and no others."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
+from precision_annot.suggestion import Suggestion, suggest
+
+GAIN = 2.0 ** 16  # exact in every dtype; lifts values of a few units past fp16's 65504
+
+
+class FeedForward(nn.Module):
+    """T5's pattern: an intermediate that overflows fp16, an output that does not."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.wi = nn.Linear(d, 4 * d)
+        self.wo = nn.Linear(4 * d, d)
+        with torch.no_grad():
+            self.wi.weight.mul_(GAIN)  # wi's output reaches past 65504
+            self.wo.weight.div_(GAIN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.wo(torch.relu(self.wi(x)))
+        return out
+
+
+class Gained(nn.Module):
+    """The overflow is in this module's own code, not in its Linears."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.wi = nn.Linear(d, 4 * d)
+        self.wo = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.wi(x)) * GAIN  # past 65504 in fp16
+        out: torch.Tensor = self.wo(hidden) / GAIN
+        return out
+
+
+class Offset(nn.Module):
+    """A variance around a large offset: bf16 rounds 1000 + x to steps of 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.tensor(1000.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x + self.offset
+        return x * (shifted - shifted.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+
+
+class Net(nn.Module):
+    def __init__(self, middle: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.middle = middle
+        self.norm = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.norm(self.middle(self.inp(x))))
+        return out
+
+
+def mse(output: torch.Tensor) -> torch.Tensor:
+    return output.float().pow(2).mean()
+
+
+def sample() -> torch.Tensor:
+    return torch.randn(32, 8, generator=torch.Generator().manual_seed(0)) * 3
+
+
+def run(model: nn.Module, default: str) -> torch.Tensor:
+    out: torch.Tensor = apply(model, default=default)(sample())
+    return out
+
+
+def test_an_overflowing_intermediate_is_kept_fp32_and_harmless_layers_stay_low() -> None:
+    torch.manual_seed(0)
+    model = Net(FeedForward())
+    import copy
+
+    assert not torch.isfinite(run(copy.deepcopy(model), "fp16")).all()  # all-fp16 breaks
+    found = suggest(model, sample(), low="fp16", loss_fn=mse)
+    assert found.met and found.islands == ["middle"]
+    assert found.rules == [("middle", "fp32")]
+    # wi overflows first; as an island its output still overflows on the way out, so the
+    # island moves up to its parent, whose output is moderate; pruning then keeps it
+    assert [(c.islands, c.passed) for c in found.checks] == [
+        ((), False), (("middle.wi",), False), (("middle",), True), ((), False)]
+    by_name = {s.name: s for s in found.table}
+    assert by_name["middle"].nonfinite and by_name["middle.wi"].headroom > 1
+    assert not by_name["inp"].nonfinite
+    # the plan: the island in fp32, the rest in fp16, ready to apply
+    plan = found.plan
+    assert plan["middle.wo"].policy.compute == fp32 and plan["inp"].policy.compute == fp16
+    assert plan["out"].policy.storage == fp16
+    out = apply(model, plan)(sample())
+    assert torch.isfinite(out).all()
+    assert all(e <= found.tolerance for e in found.final.errors().values())
+    assert set(found.final.errors()) == {"output", "loss", "gradients"}
+    assert found.final.errors()["gradients"] < 1e-2
+
+
+def test_when_the_overflow_is_in_the_parents_own_code_the_parent_is_the_island() -> None:
+    torch.manual_seed(0)
+    model = Net(Gained())
+    found = suggest(model, sample(), low="fp16", loss_fn=mse)
+    assert found.met and found.islands == ["middle"]  # not middle.wi or middle.wo
+    by_name = {s.name: s for s in found.table}
+    assert by_name["middle"].nonfinite and not by_name["middle.wi"].nonfinite
+    assert found.checks[0].first_nonfinite == "middle"  # located in the parent's own code
+    # keeping only the inner Linears in fp32 is not enough
+    import copy
+
+    inner_only = copy.deepcopy(model)
+    annotate(inner_only, {"middle.wi": "fp32", "middle.wo": "fp32"})
+    assert not torch.isfinite(apply(inner_only, default="fp16")(sample())).all()
+
+
+def test_a_bf16_sensitive_reduction_is_found_with_bf16() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Offset(), nn.Linear(16, 4))
+    found = suggest(model, sample(), low="bf16", tolerance=2e-2)
+    assert found.met and found.islands == ["1"]
+    by_name = {s.name: s for s in found.table}
+    assert by_name["1"].error > 10 * max(by_name[n].error for n in ("0", "2"))
+    assert found.table[0].name == "1"  # ranked first
+    assert found.checks[0].output_error > 0.1  # all-bf16 is far off
+
+
+def test_a_model_that_needs_nothing_gets_no_island() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    found = suggest(model, sample(), low="bf16")
+    assert found.met and found.islands == [] and len(found.checks) == 1
+
+
+def test_when_only_the_root_could_help_it_says_so() -> None:
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * GAIN * GAIN  # overflows fp16 in the root's own code
+
+    with pytest.warns(UserWarning, match="No plan short of the whole model.*the root"):
+        found = suggest(Root(), sample(), low="fp16")
+    assert not found.met and "root" in found.message and "root" in str(found)
+    assert "" not in found.islands
+
+
+def test_the_model_is_left_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = Net(FeedForward())
+    annotate(model, {"norm": "fp32"})
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan_before = resolve(model)
+    suggest(model, sample(), low="fp16", loss_fn=mse)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert resolve(model) == plan_before and model.training
+
+
+def test_table_json_and_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    torch.manual_seed(0)
+    found = suggest(Net(FeedForward()), sample(), low="fp16", loss_fn=mse)
+    text = str(found)
+    assert "island" in text.splitlines()[5] and "middle " in text and "*" in text
+    data = json.loads(found.to_json())
+    assert data["islands"] == ["middle"] and data["met"] is True
+    assert data["plan"]["format"] == "precision_annot.plan"
+    assert any(row["error"] == "inf" or row["nonfinite"] for row in data["table"])
+    path = found.plot(tmp_path / "sensitivity.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_input() -> None:
+    model = nn.Linear(8, 2)
+    with pytest.raises(ValueError, match=r"low=.*compute must be fp16 or bf16.*'fp32'"):
+        suggest(model, sample(), low="fp32")
+    with pytest.raises(ValueError, match="tolerance"):
+        suggest(model, sample(), tolerance=0)
+    with pytest.raises(TypeError, match="loss_fn"):
+        suggest(model, sample(), loss_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="suggest expects an nn.Module"):
+        suggest("model", sample())  # type: ignore[arg-type]
+
+
+def test_mixed_low_keeps_fp32_master_weights() -> None:
+    torch.manual_seed(0)
+    found = suggest(Net(FeedForward()), sample(), low="16-mixed", loss_fn=mse)
+    assert found.met
+    assert found.plan["inp"].policy.storage == fp32 and found.plan["inp"].policy.compute == fp16
+    assert isinstance(found, Suggestion) and math.isfinite(found.final.output_error)
+
+
+def test_bf16_default_tolerance_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
+    found = suggest(nn.Sequential(nn.Linear(8, 8)), sample(), progress=True)
+    assert found.tolerance == 5e-2 and found.low.compute == bf16
+    assert "suggest: measuring modules" in capsys.readouterr().err
