@@ -43,14 +43,13 @@ from precision_annot.plan import (
     PrecisionPlan,
     Source,
     format_table,
-    human_bytes,
     parent_name,
 )
 from precision_annot.policy import Policy, SpecLike, as_policy
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply, remove
 from precision_annot.samples import as_call
-from precision_annot.tracking import ModuleTracker
+from precision_annot.tracking import DATA_MOVEMENT, ModuleTracker
 
 __all__ = ["Check", "Sensitivity", "Suggestion", "suggest"]
 
@@ -69,7 +68,7 @@ class Sensitivity:
     Attributes:
         name: the module's qualified name.
         type: its class name.
-        params: its own parameter elements.
+        params: its parameter elements, children included: what keeping it in fp32 costs.
         error: relative error of its output, alone in `low`, against fp32 (inf: non-finite;
             nan: it could not be run by itself).
         nonfinite: a non-finite value appeared inside it, alone in `low`.
@@ -167,15 +166,17 @@ class Suggestion:
                 f"met={self.met})")
 
     def __str__(self) -> str:
-        fp32_bytes = self.plan.param_bytes_by_dtype.get(fp32, 0)
+        total = sum(e.params for e in self.plan.values())
+        held = sum(e.params for n, e in self.plan.items()
+                   if any(n == i or n.startswith(i + ".") for i in self.islands))
         errors = ", ".join(f"{k} error {v:.2e}" for k, v in self.final.errors().items())
         lines = [
             f"suggest: everything in {self.low} ({dtype_name(self.low.compute)} compute), "
             f"tolerance {self.tolerance:g}, {len(self.checks)} end-to-end checks, "
             f"{self.seconds:.1f} s",
             self.message,
-            f"fp32 islands ({len(self.islands)}, {human_bytes(fp32_bytes)} of parameters in "
-            f"fp32): {', '.join(self.islands) or 'none'}",
+            f"fp32 islands ({len(self.islands)}, holding {held:,} of {total:,} parameters, "
+            f"{held / max(total, 1):.0%}): {', '.join(self.islands) or 'none'}",
             f"end to end: {errors}",
             "",
         ]
@@ -291,18 +292,32 @@ class _Reference:
     outputs: dict[str, Any]
     peaks: dict[str, float]
     backward_peak: float
+    nonfinite: Counts
 
 
-class _Peaks(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """The largest |value| each module's own ops produce in forward; the largest in backward;
-    and, when asked, the module where a non-finite value first appears."""
+Counts = dict[tuple[str, str], int]  # (module, "forward" | "backward") -> non-finite elements
 
-    def __init__(self, tracker: ModuleTracker, *, peaks: bool) -> None:
+
+class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Watches the ops of a run: the largest |value| each module's own ops produce in forward,
+    the largest in backward, how many non-finite elements each module's own ops produce, and
+    the first module whose count goes past the reference's.
+
+    Some code makes non-finite values on purpose (an attention mask of -inf, or
+    `finfo.min + bias`, which overflows even in fp32), so a module counts as the culprit only
+    when it makes more of them than it did in the fp32 reference. Ops that only move data
+    (a `masked_fill`, a copy) pass values on and are not counted; a cast is.
+    """
+
+    def __init__(self, tracker: ModuleTracker, *, peaks: bool = False,
+                 baseline: Counts | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.tracker = tracker
         self.track_peaks = peaks
+        self.baseline = baseline
         self.peaks: dict[str, float] = {}
         self.backward_peak = 0.0
+        self.counts: Counts = {}
         self.first_nonfinite: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
@@ -315,14 +330,24 @@ class _Peaks(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if not results:
             return out
         owner = self.tracker.owner()
-        if self.first_nonfinite is None and not all(bool(torch.isfinite(t).all())
-                                                    for t in results):
-            self.first_nonfinite = OUTSIDE if owner is None else owner[0]
+        backward = torch._C._current_graph_task_id() != -1
+        name, phase = owner if owner is not None else (
+            OUTSIDE, "backward" if backward else "forward")
+        packet = func.overloadpacket.__name__
+        if packet == "_to_copy" or packet not in DATA_MOVEMENT:
+            bad = sum(int((~torch.isfinite(t)).sum()) for t in results)
+            if bad:
+                key = (name, phase)
+                self.counts[key] = self.counts.get(key, 0) + bad
+                if (self.baseline is not None and self.first_nonfinite is None
+                        and self.counts[key] > self.baseline.get(key, 0)):
+                    self.first_nonfinite = name
         if self.track_peaks:
-            peak = max(float(t.detach().abs().max()) if t.numel() else 0.0 for t in results)
-            if owner is not None and owner[1] == "forward":
-                self.peaks[owner[0]] = max(self.peaks.get(owner[0], 0.0), peak)
-            elif torch._C._current_graph_task_id() != -1:
+            finite = [t.detach()[torch.isfinite(t.detach())] for t in results]
+            peak = max((float(t.abs().max()) for t in finite if t.numel()), default=0.0)
+            if phase == "forward" and owner is not None:
+                self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
+            elif phase == "backward":
                 self.backward_peak = max(self.backward_peak, peak)
         return out
 
@@ -344,7 +369,7 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     names = {m: n for n, m in model.named_modules()}
     tracker = ModuleTracker(names, enter, leave)
-    mode = _Peaks(tracker, peaks=True)
+    mode = _Watch(tracker, peaks=True)
     with tracker, mode:
         output = model(*args, **kwargs)
         loss = loss_fn(output) if loss_fn is not None else None
@@ -353,7 +378,7 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
     return _Reference(_detached(output), None if loss is None else loss.detach(), grads,
-                      inputs, outputs, mode.peaks, mode.backward_peak)
+                      inputs, outputs, mode.peaks, mode.backward_peak, mode.counts)
 
 
 def _uniform(structure: PrecisionPlan, policy: Policy) -> PrecisionPlan:
@@ -393,7 +418,6 @@ def _measure(reference: nn.Module, ref: _Reference, structure: PrecisionPlan, po
         progress.update("measuring modules", i, len(todo))
         module = named[name]
         error, nonfinite = _alone(module, name, ref, structure, policy)
-        params = list(module.parameters(recurse=False))
         grads = [ref.grads[f"{name}.{p}"] for p, _ in module.named_parameters(recurse=False)
                  if f"{name}.{p}" in ref.grads]
         grad_peak = max((float(g.abs().max()) for g in grads if g.numel()), default=None)
@@ -404,7 +428,8 @@ def _measure(reference: nn.Module, ref: _Reference, structure: PrecisionPlan, po
             underflow = under / nonzero if nonzero else 0.0
         peak = ref.peaks.get(name, 0.0)
         table.append(Sensitivity(
-            name=name, type=type(module).__name__, params=sum(p.numel() for p in params),
+            name=name, type=type(module).__name__,
+            params=sum(p.numel() for p in module.parameters()),
             error=error, nonfinite=nonfinite, peak=peak, headroom=peak / limit,
             grad_peak=grad_peak, underflow=underflow,
         ))
@@ -427,7 +452,10 @@ def _alone(module: nn.Module, name: str, ref: _Reference, structure: PrecisionPl
         apply(sub, _uniform(sub_structure, policy))
         names = {m: n for n, m in sub.named_modules()}
         tracker = ModuleTracker(names)
-        mode = _Peaks(tracker, peaks=False)
+        baseline = {(n.removeprefix(prefix) if n != name else "", phase): count
+                    for (n, phase), count in ref.nonfinite.items()
+                    if n == name or n.startswith(prefix)}
+        mode = _Watch(tracker, baseline=baseline)
         with torch.no_grad(), tracker, mode:
             out = sub(*copy.deepcopy(args), **copy.deepcopy(kwargs))
     except Exception:
@@ -447,7 +475,7 @@ def _check(reference: nn.Module, ref: _Reference, structure: PrecisionPlan, poli
     apply(model, _plan(structure, policy, islands, None))
     names = {m: n for n, m in model.named_modules()}
     tracker = ModuleTracker(names)
-    mode = _Peaks(tracker, peaks=False)
+    mode = _Watch(tracker, baseline=ref.nonfinite)
     loss_error = grad_error = None
     with tracker, mode:
         output = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))

@@ -209,3 +209,48 @@ def test_bf16_default_tolerance_and_progress(capsys: pytest.CaptureFixture[str])
     found = suggest(nn.Sequential(nn.Linear(8, 8)), sample(), progress=True)
     assert found.tolerance == 5e-2 and found.low.compute == bf16
     assert "suggest: measuring modules" in capsys.readouterr().err
+
+
+def test_t5_gets_its_feed_forward_in_fp32_where_its_own_list_names_wo() -> None:
+    """T5's hand-written `_keep_in_fp32_modules` is ["wo"]; here its feed-forward is scaled so
+    that fp16 overflows inside it (wi's output), as T5 v1.1 checkpoints overflow."""
+    transformers = pytest.importorskip("transformers")
+    from precision_annot.adapters import transformers as hf
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                   num_heads=4, decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in t5.named_parameters():
+            if name.endswith("wi.weight"):
+                p.mul_(2.0 ** 17)
+            elif name.endswith("wo.weight"):
+                p.div_(2.0 ** 17)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids[:, :6].contiguous()}
+    found = suggest(t5, batch, low="fp16", loss_fn=lambda out: out.loss)
+    assert found.met
+    feed_forwards = sorted(n for n, m in t5.named_modules() if type(m).__name__ ==
+                           "T5DenseActDense")
+    assert sorted(found.islands) == feed_forwards  # each holds a wo
+    wos = [n for n, _ in t5.named_modules() if n.endswith(".wo")]
+    assert all(found.plan[n].policy.compute == fp32 for n in wos)
+    assert found.plan["lm_head"].policy.compute == fp16
+    # side by side: T5's own list (wo only) still overflows, in wi
+    import copy
+
+    by_list = copy.deepcopy(t5)
+    annotate(by_list, hf.rules(by_list))
+    assert not torch.isfinite(apply(by_list, default="fp16")(**batch).logits).all()
+    assert torch.isfinite(apply(copy.deepcopy(t5), found.plan)(**batch).logits).all()
+
+
+def test_the_docs_chart_script_renders(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import runpy
+
+    script = runpy.run_path(str(Path(__file__).parent.parent / "docs/scripts/sensitivity.py"))
+    found = script["render"](tmp_path / "sensitivity.png")
+    assert found.islands == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert (tmp_path / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
