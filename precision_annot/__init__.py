@@ -3,11 +3,15 @@
 Declare with `precision` (class, instance or function), `precision_scope` or `annotate`;
 `resolve` computes each module's `Policy` into a `PrecisionPlan`; `apply` makes it real
 locally, and `precision_annot.adapters` hand it to Lightning, DeepSpeed, FSDP and DDP.
+`audit` proves what ran, `suggest` finds the fp32 islands a model needs, and `check` says
+before launch what a backend will ignore, refuse or run badly.
 """
 
 from precision_annot.annotation import annotate, precision
 from precision_annot.auditing import audit
+from precision_annot.checking import check
 from precision_annot.dtypes import bf16, fp16, fp32, fp64
+from precision_annot.findings import Finding
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
 from precision_annot.resolution import resolve
@@ -32,6 +36,8 @@ __all__ = [
     "audit",
     "GradScaler",
     "suggest",
+    "check",
+    "Finding",
 ]
 
 __version__ = "0.2.0"

@@ -1,5 +1,5 @@
-"""The `precision-annot` command: report a plan, audit what runs, suggest islands, export backend
-configs, run the demo."""
+"""The `precision-annot` command: report a plan, audit what runs, suggest islands, check a plan
+before launch, export backend configs, run the demo."""
 
 from __future__ import annotations
 
@@ -174,6 +174,39 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     return 0 if found.met else 1
 
 
+def _check_config(args: argparse.Namespace) -> Any:
+    """--config: DeepSpeed reads its file itself (JSON or hjson); the others take a JSON dict."""
+    if args.config is None or args.backend == "deepspeed":
+        return args.config
+    try:
+        return json.loads(Path(args.config).read_text())
+    except OSError as e:
+        raise CLIError(f"Cannot read {args.config!r}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{args.config}: not JSON: {e}") from e
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from precision_annot.checking import check
+    from precision_annot.findings import SEVERITIES
+
+    plan = _plan(args)
+    try:
+        found = check(plan, args.backend, _check_config(args))
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    if args.json:
+        print(json.dumps([f.to_dict() for f in found], indent=2))
+    else:
+        for severity in SEVERITIES:
+            for finding in (f for f in found if f.severity == severity):
+                print(finding)
+        counts = [(sum(f.severity == s for f in found), s) for s in SEVERITIES]
+        summary = ", ".join(f"{n} {s}{'' if n == 1 else 's'}" for n, s in counts)
+        print(f"{summary} ({args.backend or 'any backend'})", file=sys.stderr)
+    return 1 if any(f.severity == "error" for f in found) else 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from precision_annot.demo import run_demo
 
@@ -183,8 +216,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="precision-annot",
-        description="Per-module precision for PyTorch: report plans, audit what runs, export "
-                    "configs, demo.",
+        description="Per-module precision for PyTorch: report plans, audit what runs, suggest "
+                    "fp32 islands, check before launch, export configs, demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     target_help = "package.module:callable, path/to/file.py:callable, or a plan.json"
@@ -228,6 +261,19 @@ def _parser() -> argparse.ArgumentParser:
     sug.add_argument("--plot", metavar="FILE.png", help="write the sensitivity chart here")
     sug.add_argument("--json", action="store_true", help="print the suggestion as JSON")
     sug.set_defaults(func=_cmd_suggest)
+    chk = sub.add_parser("check", help="say before launch what a backend will ignore, refuse "
+                         "or run badly (exit status 1 if there is an error)")
+    chk.add_argument("target", help=target_help)
+    chk.add_argument("--backend", choices=["local", "deepspeed", "fsdp", "fsdp1", "ddp",
+                                           "lightning"],
+                     help="the backend you will launch with (default: what holds for all)")
+    chk.add_argument("--config", metavar="CFG.json",
+                     help="deepspeed: your config (JSON or hjson); lightning: the Trainer's "
+                          "arguments; fsdp: merge_below, latency_s, bandwidth; ddp: "
+                          "bucket_cap_mb (JSON)")
+    chk.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
+    chk.add_argument("--json", action="store_true", help="print the findings as JSON")
+    chk.set_defaults(func=_cmd_check)
     demo = sub.add_parser("demo", help="annotate, plan and train a small transformer")
     demo.add_argument("--fast", action="store_true", help="fewer steps")
     demo.add_argument("--out", default="demo-output", help="where to write the DeepSpeed config")

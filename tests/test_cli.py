@@ -181,3 +181,56 @@ def test_suggest_writes_a_plan_the_other_commands_take(
     assert main(["suggest", f"{script}:make_root", "--sample", f"{script}:make_batch",
                  "--low", "fp16"]) == 1
     assert "No plan short of the whole model" in capsys.readouterr().out
+
+
+ISLANDS = '''
+from torch import nn
+from precision_annot import precision
+
+
+def make():
+    return nn.Sequential(nn.Linear(8, 8), precision("fp32")(nn.LayerNorm(8)), nn.Linear(8, 8))
+'''
+
+
+def test_check_exit_status_gates_on_errors(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`check` exits 1 when a finding is an error, 0 when there are only warnings and infos,
+    2 for bad input: a CI job can gate on it."""
+    (tmp_path / "islands.py").write_text(ISLANDS)
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}  // hjson comment')
+    (tmp_path / "trainer.json").write_text('{"precision": "bf16-mixed"}')
+    exe = str(Path(sys.executable).with_name("precision-annot"))
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:  # the installed command
+        return subprocess.run([exe, "check", "islands:make", *argv], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+
+    broken = run("--backend", "deepspeed", "--config", "ds.json", "--default", "16-mixed")
+    assert broken.returncode == 1, broken.stderr
+    lines = broken.stdout.splitlines()
+    assert lines[0].startswith("error: (model): fp16 compute over fp32 storage")
+    assert lines[0].endswith("[deepspeed-fp16-zero]")
+    assert "1 error, 0 warnings, 0 infos (deepspeed)" in broken.stderr
+    fine = run("--backend", "deepspeed", "--config", "ds.json", "--default", "bf16-mixed")
+    assert fine.returncode == 0 and fine.stdout == "", fine.stdout + fine.stderr
+
+    target = f"{tmp_path / 'islands.py'}:make"
+    trainer = str(tmp_path / "trainer.json")
+    capsys.readouterr()
+    assert main(["check", target, "--backend", "lightning", "--config", trainer, "--json"]) == 1
+    assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["lightning-no-plugin"]
+    assert main(["check", target, "--backend", "fsdp", "--config", trainer]) == 2
+    assert "unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth']" in (
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exited:  # argparse names the valid choices
+        main(["check", target, "--backend", "horovod"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'horovod'" in capsys.readouterr().err
+
+
+def test_check_json_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", TARGET, "--backend", "fsdp", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert {f["code"] for f in found} == {"narrow-comm", "fsdp-small-units"}
+    assert all(set(f) == {"severity", "code", "module", "message", "fix"} for f in found)

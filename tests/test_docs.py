@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import doctest
 import importlib
 import importlib.util
+import io
 import re
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+PRINTS = re.compile(r"^prints\n\n```text\n(.*?)^```", re.S | re.M)
 
 
 OPTIONAL = ("lightning", "deepspeed", "transformers", "accelerate", "matplotlib")
@@ -30,14 +33,19 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     if "accelerate" in sys.modules:  # Accelerate keeps one global state per process
         sys.modules["accelerate"].state.AcceleratorState._reset_state(reset_partial_state=True)
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
+    printed = io.StringIO()
     for i, block in enumerate(blocks):
         code = compile(block, f"{path.relative_to(ROOT)}[block {i}]", "exec")
-        exec(code, namespace)
+        with contextlib.redirect_stdout(printed):
+            exec(code, namespace)
+    # output a page shows after "prints" is what its code printed (lines may be re-wrapped)
+    for shown in PRINTS.findall(path.read_text()):
+        assert " ".join(shown.split()) in " ".join(printed.getvalue().split()), shown
 
 
 MODULES = ["precision_annot.policy", "precision_annot.annotation", "precision_annot.resolution",
            "precision_annot.runtime", "precision_annot.auditing", "precision_annot.scaler",
-           "precision_annot.suggestion"]
+           "precision_annot.suggestion", "precision_annot.checking"]
 
 
 @pytest.mark.parametrize("name", MODULES)

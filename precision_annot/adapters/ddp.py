@@ -9,17 +9,26 @@ the averages back into the bucket in the parameter's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
+from precision_annot.dtypes import dtype_name, to_dtype
+from precision_annot.findings import Finding
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan
 
-__all__ = ["comm_hook"]
+__all__ = ["Bucket", "buckets", "comm_hook", "findings", "hooked_modules", "registered_hooks"]
+
+#: DDP's defaults: `bucket_cap_mb`, and the smaller first bucket it rebuilds after one step.
+BUCKET_CAP_MB = 25
+FIRST_BUCKET_BYTES = 1024 * 1024
+_PLAN_ATTR = "precision_plan"  # set on the hooks comm_hook returns, to know them again
 
 CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
 
@@ -85,8 +94,135 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
         done: torch.futures.Future[torch.Tensor] = torch.futures.collect_all(futures).then(unpack)
         return done
 
+    setattr(hook, _PLAN_ATTR, plan)
     # DDP checks the hook's annotations by identity; postponed (string) annotations fail that.
     hook.__annotations__ = {
         "state": object, "bucket": GradBucket, "return": torch.futures.Future[torch.Tensor]
     }
     return hook
+
+
+# -- what DDP will do with the plan ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One of DDP's gradient buckets, as `buckets` predicts it.
+
+    Attributes:
+        dtype: the parameter (and bucket) dtype.
+        modules: the modules whose gradients it holds, in the order they arrive.
+        bytes: its size.
+        comms: the dtypes its gradients are reduced in under `comm_hook` (one all-reduce each).
+    """
+
+    dtype: torch.dtype
+    modules: tuple[str, ...]
+    bytes: int
+    comms: frozenset[torch.dtype]
+
+
+def buckets(plan: PrecisionPlan, *, bucket_cap_mb: float | None = None) -> list[Bucket]:
+    """DDP's gradient buckets for the plan from its second step on, module by module.
+
+    After one step DDP rebuilds its buckets in the order gradients arrive (taken here as the
+    reverse of module order, which is what backward gives a sequential model), one series per
+    parameter dtype. As in DDP, with `bucket_cap_mb=None` the first is capped at 1 MiB and the
+    rest at 25 MiB; a value you give caps them all.
+    """
+    require_plan(plan, "buckets")
+    if bucket_cap_mb is not None and (not isinstance(bucket_cap_mb, (int, float))
+                                      or isinstance(bucket_cap_mb, bool) or bucket_cap_mb <= 0):
+        raise ValueError(f"bucket_cap_mb is DDP's bucket size in MiB, a positive number or "
+                         f"None (DDP's default). Received: bucket_cap_mb={bucket_cap_mb!r}")
+    cap = int((bucket_cap_mb or BUCKET_CAP_MB) * 1024 * 1024)
+    first = FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap
+    open_: dict[torch.dtype, tuple[list[str], int, set[torch.dtype]]] = {}
+    done: dict[torch.dtype, int] = {}
+    out = []
+    for name, entry in reversed(list(plan.items())):
+        for key, size in entry.param_dtype_bytes.items():
+            dtype = to_dtype(key)
+            names, total, comms = open_.setdefault(dtype, ([], 0, set()))
+            names.append(name)
+            comms.add(entry.policy.comm or dtype)
+            total += size
+            open_[dtype] = (names, total, comms)
+            if total >= (first if not done.get(dtype) else cap):
+                out.append(Bucket(dtype, tuple(names), total, frozenset(comms)))
+                done[dtype] = done.get(dtype, 0) + 1
+                del open_[dtype]
+    out += [Bucket(d, tuple(n), t, frozenset(c)) for d, (n, t, c) in open_.items()]
+    return out
+
+
+def hooked_modules(plan: PrecisionPlan) -> list[str]:
+    """The modules whose gradients DDP reduces in another dtype than the plan's `comm`
+    without `comm_hook` (their parameters are stored in another dtype)."""
+    return [n for n, e in plan.items() if e.params and e.policy.comm is not None
+            and any(to_dtype(k) != e.policy.comm for k in e.param_dtype_bytes)]
+
+
+def registered_hooks(ddp_model: nn.Module) -> list[Callable[..., Any]] | None:
+    """The comm hooks registered on a DistributedDataParallel model, or None when this torch
+    does not say (NOTE: reads DDP's private `_comm_hooks`, the list `register_comm_hook`
+    appends to; a built-in hook registered in C++ is not in it)."""
+    hooks = getattr(ddp_model, "_comm_hooks", None)
+    if not isinstance(hooks, list):
+        return None
+    return [hook for hook, _ in hooks]
+
+
+def findings(plan: PrecisionPlan, ddp_model: nn.Module | None = None, *,
+             bucket_cap_mb: float | None = None) -> list[Finding]:
+    """What DDP will drop or run badly for this plan: per-module comm with no hook to honour
+    it, and buckets the hook must split into several all-reduces."""
+    require_plan(plan, "findings")
+    narrowed = hooked_modules(plan)
+    out = []
+    if narrowed:
+        comms = sorted({dtype_name(plan[n].policy.comm) for n in narrowed})
+        hooks = None if ddp_model is None else registered_hooks(ddp_model)
+        ours = [h for h in hooks or [] if getattr(h, _PLAN_ATTR, None) is not None]
+        if hooks is None:
+            out.append(Finding(
+                "info", "ddp-needs-hook", "",
+                f"DDP reduces each gradient in its parameter dtype, so the plan's comm "
+                f"({', '.join(comms)}) for {len(narrowed)} modules holds only through the "
+                "plan's comm hook.",
+                "ddp_model.register_comm_hook(None, precision_annot.adapters.ddp.comm_hook("
+                "plan)) after wrapping (Lightning's AnnotatedPrecision registers it itself).",
+            ))
+        elif not hooks:
+            out.append(Finding(
+                "error", "ddp-no-hook", "",
+                f"This DDP model has no comm hook, so the plan's comm ({', '.join(comms)}) for "
+                f"{len(narrowed)} modules is dropped: every gradient reduces in its parameter "
+                "dtype.",
+                "ddp_model.register_comm_hook(None, precision_annot.adapters.ddp.comm_hook("
+                "plan)).",
+            ))
+        elif not ours:
+            out.append(Finding(
+                "warning", "ddp-other-hook", "",
+                f"This DDP model reduces through a comm hook of its own "
+                f"({getattr(hooks[0], '__name__', hooks[0])!r}), not the plan's, so the "
+                f"plan's per-module comm ({', '.join(comms)}) holds only if that hook does "
+                "the same.",
+                "Register precision_annot.adapters.ddp.comm_hook(plan) instead.",
+            ))
+    predicted = buckets(plan, bucket_cap_mb=bucket_cap_mb)
+    split = [b for b in predicted if len(b.comms) > 1]
+    if split:
+        total = len(predicted)
+        extra = sum(len(b.comms) - 1 for b in split)
+        mixed = sorted({dtype_name(c) for b in split for c in b.comms})
+        out.append(Finding(
+            "info", "ddp-mixed-bucket", "",
+            f"{len(split)} of DDP's {total} gradient buckets mix comm dtypes "
+            f"({', '.join(mixed)}); the comm hook reduces each dtype of a bucket separately, "
+            f"copying the gradients out and back: {total + extra} all-reduces per step "
+            f"instead of {total}.",
+            "Give modules that share a bucket one comm dtype (e.g. an island's comm equal to "
+            "the model's), or accept the extra all-reduces.",
+        ))
+    return out

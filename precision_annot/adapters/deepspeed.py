@@ -42,6 +42,7 @@ from precision_annot.dtypes import (
     fp32,
     to_dtype,
 )
+from precision_annot.findings import Finding
 from precision_annot.guards import require_module
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
@@ -69,6 +70,7 @@ class DeepSpeedPlan:
     Attributes:
         plan: the plan to apply; equal to the source plan unless storage was mixed.
         moved: modules whose low-precision storage became fp32 (mixed storage).
+        extra_bytes: what that costs in parameter bytes.
         storages: the storage dtypes of the modules that hold parameters.
         low_compute: the fp16/bf16 compute dtypes used anywhere.
         comms: the comm dtypes of the modules that hold parameters (None: unset).
@@ -76,6 +78,7 @@ class DeepSpeedPlan:
 
     plan: PrecisionPlan
     moved: tuple[str, ...]
+    extra_bytes: int
     storages: frozenset[torch.dtype]
     low_compute: frozenset[torch.dtype]
     comms: frozenset[torch.dtype | None]
@@ -106,10 +109,11 @@ def _replan(plan: PrecisionPlan, policies: dict[str, Policy]) -> PrecisionPlan:
                          modules=plan.modules())
 
 
-def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan) -> DeepSpeedPlan:
+def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
+              warn: bool = True) -> DeepSpeedPlan:
     """The plan as DeepSpeed can run it. Mixed storage (fp32 islands in a bf16 model) becomes
     fp32 storage everywhere, with each module's compute kept through `torch_autocast`; that
-    is said once, by a `UserWarning` naming the byte cost."""
+    is said once, by a `UserWarning` naming the byte cost (`warn=False`: not said)."""
     if isinstance(model_or_plan, DeepSpeedPlan):
         return model_or_plan
     if isinstance(model_or_plan, nn.Module):
@@ -123,6 +127,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan) -> DeepS
         )
     storages = {plan[n].policy.storage for n in _param_entries(plan)}
     moved: dict[str, Policy] = {}
+    extra = 0
     if len(storages - {None}) > 1 and storages & LOW_PRECISION:
         for name, entry in plan.items():
             p = entry.policy
@@ -131,26 +136,29 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan) -> DeepS
                                      output=p.output)
         extra = sum(e.params * (4 - e.policy.storage.itemsize) for n, e in plan.items()
                     if n in moved and e.policy.storage is not None)
-        kept = sorted({dtype_name(s) for s in storages if s is not None})
-        warnings.warn(
-            f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes "
-            "cast every parameter to one dtype. Exporting fp32 storage for the "
-            f"{len(moved)} low-precision modules instead, with their compute kept low through "
-            f"torch_autocast and the fp32 islands kept in fp32: {extra:,} more bytes of "
-            "parameters.",
-            UserWarning,
-            stacklevel=3,
-        )
+        if warn:
+            warnings.warn(_mixed_storage_message(storages, len(moved), extra), UserWarning,
+                          stacklevel=3)
         plan = _replan(plan, moved)
     names = _param_entries(plan)
     return DeepSpeedPlan(
         plan=plan,
         moved=tuple(moved),
+        extra_bytes=extra,
         storages=frozenset(s for n in names if (s := plan[n].policy.storage) is not None),
         low_compute=frozenset(e.policy.compute for e in plan.values()
                               if e.policy.compute in LOW_PRECISION),
         comms=frozenset(plan[n].policy.comm for n in names),
     )
+
+
+def _mixed_storage_message(storages: set[torch.dtype | None], moved: int, extra: int) -> str:
+    kept = sorted({dtype_name(s) for s in storages if s is not None})
+    return (f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes "
+            "cast every parameter to one dtype. Exporting fp32 storage for the "
+            f"{moved} low-precision modules instead, with their compute kept low through "
+            f"torch_autocast and the fp32 islands kept in fp32: {extra:,} more bytes of "
+            "parameters.")
 
 
 def importable_class(path: str) -> str | None:
@@ -355,13 +363,9 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
             "torch_autocast takes one dtype. Annotate one low-precision compute dtype."
         )
     (dtype,) = dsp.low_compute
-    if dtype == fp16 and stage >= 1 and fp16_autocast_zero_broken():
-        raise ValueError(
-            f"fp16 compute over fp32 storage maps to torch_autocast dtype float16, and with "
-            f"zero_optimization.stage={stage} deepspeed {deepspeed_version()} does not update "
-            "the parameters (see the DeepSpeed guide). Use ZeRO stage 0, bf16 compute, or "
-            "uniform fp16 storage (the fp16 section) without fp32 islands."
-        )
+    refusal = _fp16_zero_refusal(dsp, stage)
+    if refusal:
+        raise ValueError(refusal)
     needs = f"torch_autocast (fp32 storage, {dtype_name(dtype)} compute)"
     for section in ("bf16", "fp16"):
         _disable(config, section, needs)
@@ -382,12 +386,28 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
         # would otherwise tag every Linear and Conv with the autocast dtype.
         _fill(config, "torch_autocast", "lower_precision_safe_modules",
               classes if classes is not None else [])
-    if stage == 0 and len(dsp.comms - {None}) > 1:
-        warnings.warn(
-            "ZeRO stage 0 reduces every gradient in the parameter dtype; the plan's per-module "
-            "comm dtypes take effect with ZeRO stages 1-3.",
-            UserWarning, stacklevel=3,
-        )
+    if _zero0_ignores_comm(dsp, stage):
+        warnings.warn(ZERO0_COMM, UserWarning, stacklevel=3)
+
+
+ZERO0_COMM = ("ZeRO stage 0 reduces every gradient in the parameter dtype; the plan's "
+              "per-module comm dtypes take effect with ZeRO stages 1-3.")
+
+
+def _fp16_zero_refusal(dsp: DeepSpeedPlan, stage: int) -> str | None:
+    """Why fp16 compute over fp32 storage cannot train under this ZeRO stage, or None."""
+    if dsp.case != "autocast" or fp16 not in dsp.low_compute or stage < 1:
+        return None
+    if not fp16_autocast_zero_broken():
+        return None
+    return (f"fp16 compute over fp32 storage maps to torch_autocast dtype float16, and with "
+            f"zero_optimization.stage={stage} deepspeed {deepspeed_version()} does not update "
+            "the parameters (see the DeepSpeed guide). Use ZeRO stage 0, bf16 compute, or "
+            "uniform fp16 storage (the fp16 section) without fp32 islands.")
+
+
+def _zero0_ignores_comm(dsp: DeepSpeedPlan, stage: int) -> bool:
+    return dsp.case == "autocast" and stage == 0 and len(dsp.comms - {None}) > 1
 
 
 _FILLS: dict[Case, Callable[[dict[str, Any], DeepSpeedPlan, int], None]] = {
@@ -492,3 +512,64 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
             elif hasattr(p, "comm_dtype"):
                 del p.comm_dtype
     return model
+
+
+def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:
+    """What DeepSpeed will ignore, refuse or run badly for this plan with this base config,
+    worked out by the same code as `to_config` and `prepare`."""
+    dsp = translate(model_or_plan, warn=False)
+    try:
+        config = _load_base(base)
+        stage = _stage(config)
+    except (TypeError, ValueError) as e:
+        return [Finding("error", "deepspeed-config", "", str(e),
+                        "Fix the base config: DeepSpeed would refuse it too.")]
+    out = []
+    if dsp.moved:
+        out.append(Finding(
+            "warning", "deepspeed-mixed-storage", "",
+            "The plan mixes storage dtypes, and DeepSpeed's bf16/fp16 modes cast every "
+            f"parameter to one: the {len(dsp.moved)} low-precision modules are exported with "
+            f"fp32 storage ({dsp.extra_bytes:,} more bytes of parameters), their compute kept "
+            "low through torch_autocast.",
+            "Accept the bytes, or make storage uniform (every module bf16 or fp16, islands "
+            "computing in fp32 over low storage).",
+        ))
+    refusal = _fp16_zero_refusal(dsp, stage)
+    if refusal:
+        out.append(Finding("error", "deepspeed-fp16-zero", "", refusal.split(" (see")[0] + ".",
+                           "Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 "
+                           "section) without fp32 islands."))
+    if _zero0_ignores_comm(dsp, stage):
+        out.append(Finding("warning", "deepspeed-zero0-comm", "", ZERO0_COMM,
+                           "Use ZeRO stage 1-3, or one comm dtype."))
+    if dsp.case == "autocast" and len(dsp.low_compute) == 1:
+        (dtype,) = dsp.low_compute
+        listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
+        if listed in (None, "auto") and safe_classes(dsp, dtype) is None:
+            out.append(Finding(
+                "info", "deepspeed-needs-prepare", "",
+                "The plan's comm dtypes cannot be said by exact class (DeepSpeed matches "
+                "module.__class__, not subclasses or instances), so the config lists no "
+                "class and each parameter carries its own comm_dtype.",
+                "Call precision_annot.adapters.deepspeed.prepare(model, plan) before "
+                "deepspeed.initialize.",
+            ))
+    scale = _section(config, "fp16").get("loss_scale")
+    if dsp.case == "low_storage" and fp16 in dsp.storages and scale not in (None, 0, "auto"):
+        out.append(Finding(
+            "warning", "deepspeed-static-loss-scale", "",
+            f"The base sets fp16.loss_scale={scale!r}, a static scale: a step that overflows "
+            "is not skipped, and one that underflows is not rescued.",
+            "Set fp16.loss_scale to 0 (dynamic), or leave it out.",
+        ))
+    if refusal is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                to_config(dsp, config)
+        except (TypeError, ValueError) as e:
+            out.append(Finding("error", "deepspeed-config", "", str(e),
+                               "Change the base config or the plan's annotations, as the "
+                               "message says."))
+    return out

@@ -9,15 +9,17 @@ shard along its boundaries.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from precision_annot.dtypes import dtype_name
+from precision_annot.dtypes import to_dtype
+from precision_annot.findings import Finding
 from precision_annot.guards import require_plan
-from precision_annot.plan import ModulePlan, PrecisionPlan, nearest, parent_name
+from precision_annot.plan import PrecisionPlan, human_bytes, nearest, parent_name
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply
 from precision_annot.selectors import Selector, matcher
@@ -26,22 +28,27 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
     from torch.distributed.fsdp.wrap import CustomPolicy
 
-__all__ = ["fully_shard", "mixed_precision", "unit_names", "wrap_policy"]
-
-
-def _same_or_none(value: torch.dtype | None, base: torch.dtype | None) -> torch.dtype | None:
-    return None if value is None or value == base else value
+__all__ = ["CollectiveCost", "Unit", "UnitCost", "collective_cost", "findings", "fully_shard",
+           "mixed_precision", "plan_units", "unit_names", "wrap_policy"]
 
 
 def unit_names(
-    plan: PrecisionPlan, model: nn.Module | None = None, units: Iterable[Selector] | None = None
+    plan: PrecisionPlan,
+    model: nn.Module | None = None,
+    units: Iterable[Selector] | None = None,
+    *,
+    merge_below: float | None = None,
 ) -> list[str]:
     """Names of the modules to shard as units, children before parents, the root last.
 
     A unit is made at every boundary, wherever storage changes (FSDP flattens one dtype per
     unit), and at every module a selector in `units` picks (selectors as for `annotate`).
+    With `merge_below`, a boundary holding less than that share of the parameters, stored in
+    the dtype the unit around it is stored in, joins that unit instead: fewer collectives, but
+    the unit is then gathered in the widest compute dtype among its members.
     """
     chosen = {""}
+    selected: set[str] = set()
     for name, entry in plan.items():
         if not name:
             continue
@@ -57,37 +64,108 @@ def unit_names(
             hits = match.select(named, rule=f"fully_shard: units selector {match.label}")
             if not hits:
                 raise ValueError(match.no_match(named, "fully_shard: units"))
-            chosen.update(n for n, _ in hits)
+            selected.update(n for n, _ in hits)
+    chosen |= selected
+    if merge_below is not None:
+        if not 0 < merge_below < 1:
+            raise ValueError(f"merge_below is a share of the parameters, between 0 and 1. "
+                             f"Received: merge_below={merge_below!r}")
+        total = sum(e.params for e in plan.values()) or 1
+        owner_of = nearest(plan, chosen)
+        held: dict[str, int] = {}
+        stored: dict[str, set[str]] = {}
+        for n, e in plan.items():  # what each unit holds, and in which dtypes
+            unit = owner_of[n] or ""
+            held[unit] = held.get(unit, 0) + e.params
+            stored.setdefault(unit, set()).update(k for k, b in e.param_dtype_bytes.items() if b)
+        for name in sorted(chosen - selected - {""}, key=lambda n: -n.count(".")):
+            owner = parent_name(name)
+            while owner not in chosen:
+                owner = parent_name(owner)
+            together = stored.get(name, set()) | stored.get(owner, set())
+            if held.get(name, 0) < merge_below * total and len(together) <= 1:
+                chosen.discard(name)  # one dtype still: FSDP can flatten the merged unit
+                held[owner] = held.get(owner, 0) + held.pop(name, 0)
+                stored[owner] = together
     order = [n for n in plan if n in chosen]
     return sorted(order, key=lambda n: -(n.count(".") + 1 if n else 0))
 
 
-def _check_uniform(plan: PrecisionPlan, model: nn.Module, units: list[str]) -> None:
-    """Each unit flattens its parameters in one dtype (pytorch issue 156784): check that."""
-    owner = nearest(plan, set(units))
-    per_unit: dict[str, dict[torch.dtype, list[str]]] = {}
-    named = dict(model.named_modules())
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One FSDP unit of a plan.
+
+    Attributes:
+        name: the module sharded as the unit ("" for the root).
+        members: the modules whose parameters it holds.
+        params: those parameters' elements.
+        storage: the dtypes they are stored in (FSDP needs exactly one).
+        param_dtype: the dtype it is gathered in (None: its storage).
+        reduce_dtype: the dtype its gradients are reduced in (None: its storage).
+        output_dtype: the dtype its outputs leave in, from the plan's `output`.
+    """
+
+    name: str
+    members: tuple[str, ...]
+    params: int
+    storage: frozenset[torch.dtype]
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    output_dtype: torch.dtype | None
+
+
+def _widest(dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
+    known = [d for d in dtypes if d is not None]
+    return max(known, key=lambda d: torch.finfo(d).bits) if known else None
+
+
+def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
+    """The units `names` make of the plan, in the order given: who is in each, and the dtypes
+    it is gathered and reduced in (the widest its members need)."""
+    owner = nearest(plan, set(names))
+    members: dict[str, list[str]] = {n: [] for n in names}
     for name in plan:
-        for p in named[name].parameters(recurse=False):
-            per_unit.setdefault(owner[name] or "", {}).setdefault(p.dtype, []).append(name)
-    for unit, by_dtype in per_unit.items():
-        if len(by_dtype) > 1:
-            detail = "; ".join(f"{dtype_name(d)}: {sorted(set(ns))}" for d, ns in by_dtype.items())
-            raise ValueError(
-                f"FSDP unit {unit or '(root)'!r} would hold parameters of several dtypes "
-                f"({detail}); FSDP flattens one dtype per unit. Make each group its own unit "
-                "with units=[...], or give them one storage dtype."
-            )
+        members[owner[name] or ""].append(name)
+    out = []
+    for name in names:
+        holders = [m for m in members[name] if plan[m].params]
+        storage = frozenset(to_dtype(k) for m in holders for k in plan[m].param_dtype_bytes)
+        stored = next(iter(storage)) if len(storage) == 1 else None
+        gather = _widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
+        out.append(Unit(
+            name=name,
+            members=tuple(members[name]),
+            params=sum(plan[m].params for m in holders),
+            storage=storage,
+            param_dtype=None if gather is None or gather == (stored or plan[name].policy.storage)
+            else gather,
+            reduce_dtype=_widest(plan[m].policy.comm for m in holders) or plan[name].policy.comm,
+            output_dtype=plan[name].policy.output,
+        ))
+    return out
 
 
-def _mp2(entry: ModulePlan) -> MixedPrecisionPolicy:
+def _mixed(units: list[Unit], plan: PrecisionPlan) -> list[tuple[Unit, str]]:
+    """Units that would hold parameters of several dtypes (pytorch issue 156784), described."""
+    out = []
+    for unit in units:
+        if len(unit.storage) > 1:
+            by_dtype: dict[str, list[str]] = {}
+            for m in unit.members:
+                for key in plan[m].param_dtype_bytes:
+                    by_dtype.setdefault(key, []).append(m)
+            detail = "; ".join(f"{d}: {ns}" for d, ns in by_dtype.items())
+            out.append((unit, detail))
+    return out
+
+
+def _mp2(unit: Unit) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    p = entry.policy
     return MixedPrecisionPolicy(
-        param_dtype=_same_or_none(p.compute, p.storage),
-        reduce_dtype=p.comm,
-        output_dtype=p.output,
+        param_dtype=unit.param_dtype,
+        reduce_dtype=unit.reduce_dtype,
+        output_dtype=unit.output_dtype,
         cast_forward_inputs=False,  # the plan's boundaries cast, honouring keep_dtype
     )
 
@@ -97,6 +175,7 @@ def fully_shard(
     plan: PrecisionPlan | None = None,
     *,
     units: Iterable[Selector] | None = None,
+    merge_below: float | None = None,
     **fully_shard_kwargs: Any,
 ) -> nn.Module:
     """Apply the plan, then FSDP2-shard one unit per boundary (and per selected unit), root last.
@@ -109,6 +188,10 @@ def fully_shard(
         model: the model, on its device, not yet sharded.
         plan: the plan; resolved from `model` when None. (Default: None)
         units: extra units, by the selectors `annotate` takes, e.g. `[Block]`. (Default: None)
+        merge_below: let boundaries holding less than this share of the parameters (stored
+            like the unit around them) share that unit: 3 collectives fewer per step each, for
+            gathering that unit in the widest compute dtype of its members. `check(model,
+            "fsdp")` says when it pays. (Default: None, every boundary its own unit)
         **fully_shard_kwargs: passed to every `fully_shard` call (`mesh`,
             `reshard_after_forward`, ...); `mp_policy` comes from the plan.
 
@@ -125,31 +208,35 @@ def fully_shard(
         )
     plan = resolve(model) if plan is None else plan
     apply(model, plan)
-    names = unit_names(plan, model, units)
-    _check_uniform(plan, model, names)
+    shards = plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))
+    for unit, detail in _mixed(shards, plan)[:1]:
+        raise ValueError(
+            f"FSDP unit {unit.name or '(root)'!r} would hold parameters of several dtypes "
+            f"({detail}); FSDP flattens one dtype per unit. Make each group its own unit "
+            "with units=[...], or give them one storage dtype."
+        )
     named = dict(model.named_modules())
-    for name in names:
-        _fully_shard(named[name], mp_policy=_mp2(plan[name]), **fully_shard_kwargs)
+    for unit in shards:
+        _fully_shard(named[unit.name], mp_policy=_mp2(unit), **fully_shard_kwargs)
     return model
 
 
-def _mp1(entry: ModulePlan) -> MixedPrecision:
+def _mp1(unit: Unit) -> MixedPrecision:
     from torch.distributed.fsdp import MixedPrecision
 
-    p = entry.policy
     return MixedPrecision(
-        param_dtype=_same_or_none(p.compute, p.storage),
-        reduce_dtype=p.comm,
+        param_dtype=unit.param_dtype,
+        reduce_dtype=unit.reduce_dtype,
         buffer_dtype=None,
         cast_forward_inputs=False,
         cast_root_forward_inputs=False,
     )
 
 
-def mixed_precision(plan: PrecisionPlan) -> MixedPrecision:
+def mixed_precision(plan: PrecisionPlan, *, merge_below: float | None = None) -> MixedPrecision:
     """FSDP1's root `MixedPrecision` for the plan: param_dtype=compute, reduce_dtype=comm."""
     require_plan(plan, "mixed_precision")
-    return _mp1(plan.root)
+    return _mp1(plan_units(plan, unit_names(plan, merge_below=merge_below))[-1])
 
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
@@ -160,7 +247,7 @@ def plan_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
 
 
-def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
+def wrap_policy(plan: PrecisionPlan, *, merge_below: float | None = None) -> CustomPolicy:
     """FSDP1's auto-wrap policy: one unit per boundary or storage change, each with its
     `MixedPrecision`. Call `apply(model, plan)` before wrapping, so boundaries cast.
 
@@ -176,7 +263,8 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
     from torch.distributed.fsdp.wrap import CustomPolicy
 
     require_plan(plan, "wrap_policy")
-    units = set(unit_names(plan))
+    shards = {u.name: u for u in plan_units(plan, unit_names(plan, merge_below=merge_below))}
+    units = set(shards)
 
     class PlanPolicy(CustomPolicy):
         """Looks modules up by name in the root FSDP is given."""
@@ -189,7 +277,7 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
             name = self.names.get(module)
             if name is None or name not in units:
                 return False
-            return {"mixed_precision": _mp1(plan[name])}
+            return {"mixed_precision": _mp1(shards[name])}
 
         def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
                         root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
@@ -204,3 +292,155 @@ def wrap_policy(plan: PrecisionPlan) -> CustomPolicy:
             return super()._run_policy(root_module, ignored_modules, root_kwargs)
 
     return PlanPolicy()
+
+
+# -- what the units cost ------------------------------------------------------------------------
+
+#: The cost model's constants: one collective's fixed latency, and the bus bandwidth per rank.
+#: Typical of 8 GPUs on one NVLink node; across nodes latency is higher and bandwidth lower.
+LATENCY_S = 10e-6
+BANDWIDTH = 100e9
+#: `findings` reports when at least SMALL_UNITS units each hold less than SMALL_UNIT of the
+#: parameters.
+SMALL_UNIT = 0.01
+SMALL_UNITS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """One unit's collectives per step: `gathers` all-gathers of `gather_bytes` each, one
+    reduce-scatter of `reduce_bytes`, and their estimated `seconds`."""
+
+    unit: Unit
+    gathers: int
+    gather_bytes: int
+    reduce_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """The collectives one training step of the sharded plan issues, and an estimate of their
+    time: each costs `latency_s + bytes / bandwidth`.
+
+    Attributes:
+        units: per unit that holds parameters: all-gathers per step (2: forward and backward;
+            1 for the root, which FSDP keeps gathered between forward and backward), the bytes
+            each gather and the reduce-scatter move, and the estimated seconds.
+        gathers: all-gathers per step.
+        reduce_scatters: reduce-scatters per step (one per unit).
+        seconds: the estimated total.
+    """
+
+    units: tuple[UnitCost, ...]
+    gathers: int
+    reduce_scatters: int
+    seconds: float
+
+    @property
+    def collectives(self) -> int:
+        """All-gathers and reduce-scatters per step."""
+        return self.gathers + self.reduce_scatters
+
+    @property
+    def bytes(self) -> int:
+        """The bytes of the tensors one step's collectives gather and reduce (a ring moves
+        (N - 1) / N of them per rank)."""
+        return sum(c.gathers * c.gather_bytes + c.reduce_bytes for c in self.units)
+
+
+def _itemsize(dtype: torch.dtype | None, unit: Unit) -> int:
+    if dtype is not None:
+        return dtype.itemsize
+    return next(iter(unit.storage)).itemsize if len(unit.storage) == 1 else 4
+
+
+def collective_cost(plan: PrecisionPlan, names: list[str] | None = None, *,
+                    latency_s: float = LATENCY_S, bandwidth: float = BANDWIDTH,
+                    merge_below: float | None = None) -> CollectiveCost:
+    """Count the collectives one training step of `fully_shard(model, plan)` issues, and
+    estimate their time with a latency-plus-bandwidth model.
+
+    Every unit that holds parameters all-gathers twice (forward, and backward after
+    resharding; the root once, as FSDP keeps it unsharded) and reduce-scatters once. Each
+    collective takes `latency_s + bytes / bandwidth`, with the bytes of the unsharded tensor in
+    the dtype it is gathered or reduced in. Overlap with compute is not modelled.
+
+    Args:
+        plan: the plan to shard.
+        names: the units, as `unit_names` gives them; by default the plan's boundaries (with
+            `merge_below`). (Default: None)
+        latency_s: one collective's fixed cost in seconds. (Default: `LATENCY_S`, 10 us)
+        bandwidth: bytes per second. (Default: `BANDWIDTH`, 100e9, one NVLink node)
+        merge_below: as for `fully_shard`. (Default: None)
+
+    Returns:
+        A `CollectiveCost`: per unit and in total.
+    """
+    require_plan(plan, "collective_cost")
+    if not latency_s >= 0 or not bandwidth > 0:
+        raise ValueError("collective_cost: latency_s must be >= 0 and bandwidth > 0. "
+                         f"Received: latency_s={latency_s!r}, bandwidth={bandwidth!r}")
+    shards = plan_units(plan, names or unit_names(plan, merge_below=merge_below))
+    costs = []
+    for unit in shards:
+        if not unit.params:
+            continue
+        gathers = 1 if not unit.name else 2
+        gather_bytes = unit.params * _itemsize(unit.param_dtype, unit)
+        reduce_bytes = unit.params * _itemsize(unit.reduce_dtype, unit)
+        seconds = (gathers * (latency_s + gather_bytes / bandwidth)
+                   + latency_s + reduce_bytes / bandwidth)
+        costs.append(UnitCost(unit, gathers, gather_bytes, reduce_bytes, seconds))
+    return CollectiveCost(tuple(costs), sum(c.gathers for c in costs), len(costs),
+                          sum(c.seconds for c in costs))
+
+
+def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | None = None,
+             units: Iterable[Selector] | None = None, merge_below: float | None = None,
+             latency_s: float = LATENCY_S, bandwidth: float = BANDWIDTH) -> list[Finding]:
+    """What FSDP (2, or 1 with backend="fsdp1") will refuse or run badly for this plan, sharded
+    as `fully_shard(model, plan, units=units, merge_below=merge_below)` (or `wrap_policy`)
+    would shard it."""
+    require_plan(plan, "findings")
+    out = []
+    units = None if units is None else list(units)
+    names = unit_names(plan, model, units, merge_below=merge_below)
+    for unit, detail in _mixed(plan_units(plan, names), plan):
+        out.append(Finding(
+            "error", "fsdp-mixed-unit", unit.name,
+            f"This FSDP unit would hold parameters of several dtypes ({detail}), and FSDP "
+            "flattens one dtype per unit.",
+            "Make each group its own unit with units=[...], or give them one storage dtype.",
+        ))
+    cost = collective_cost(plan, names, latency_s=latency_s, bandwidth=bandwidth)
+    total = sum(c.unit.params for c in cost.units) or 1
+    small = [c for c in cost.units if c.unit.name and c.unit.params < SMALL_UNIT * total]
+    if len(small) >= SMALL_UNITS:
+        where = "fully_shard" if backend == "fsdp" else "wrap_policy and mixed_precision"
+        merged = collective_cost(plan, unit_names(plan, model, units, merge_below=SMALL_UNIT),
+                                 latency_s=latency_s, bandwidth=bandwidth)
+        saved = cost.collectives - merged.collectives
+        trade = (f"{where}(..., merge_below={SMALL_UNIT}) makes {saved} fewer collectives per "
+                 f"step and moves {human_bytes(max(merged.bytes - cost.bytes, 0))} more, "
+                 "gathering and reducing the merged units in the islands' wider dtypes")
+        if not saved:
+            fix = ("Shard larger units: the small ones are stored unlike the unit around "
+                   "them, so they cannot merge; make storage uniform to let merge_below merge "
+                   "them.")
+        elif merged.seconds < cost.seconds:
+            fix = (f"Let small islands share their parent's unit: {trade}, about "
+                   f"{merged.seconds * 1e3:.2f} ms per step.")
+        else:
+            fix = (f"Keep them: {trade}, about {merged.seconds * 1e3:.2f} ms per step, slower "
+                   "at these constants.")
+        out.append(Finding(
+            "info", "fsdp-small-units", "",
+            f"{len(small)} of {len(cost.units)} FSDP units hold less than 1% of the parameters "
+            f"each; every unit costs 2 all-gathers and a reduce-scatter per step "
+            f"({cost.collectives} collectives in all), and these small ones are latency-bound: "
+            f"about {sum(c.seconds for c in small) * 1e3:.2f} of {cost.seconds * 1e3:.2f} ms "
+            f"per step at {latency_s * 1e6:g} us and {bandwidth / 1e9:g} GB/s.",
+            fix,
+        ))
+    return out

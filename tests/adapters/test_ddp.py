@@ -1,19 +1,97 @@
-"""DDP: the comm hook reduces each gradient in its planned dtype, on 2 real gloo ranks."""
+"""DDP: the comm hook reduces each gradient in its planned dtype, on 2 real gloo ranks; its
+findings: a missing or foreign hook, and buckets the hook splits (predicted as DDP builds them)."""
 
 from __future__ import annotations
 
+import os
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
 
-from precision_annot import PrecisionPlan, resolve
+from precision_annot import Policy, PrecisionPlan, apply, bf16, check, fp32, precision, resolve
 from precision_annot.adapters import ddp
 from tests.adapters.distributed import check_training, run_ranks
+from tests.helpers import free_port
+from tests.workers.models import POLICY, Net
+
+
+@pytest.fixture
+def group() -> Iterator[None]:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def test_two_ranks_reduce_in_the_planned_dtypes(tmp_path: Path) -> None:
-    check_training(run_ranks("ddp", tmp_path), "all_reduce")
+    ranks = run_ranks("ddp", tmp_path)
+    check_training(ranks, "all_reduce")
+    # one bucket holding bf16 and fp32 comm: the predicted 2 all-reduces a step, as recorded
+    (bucket,) = ddp.buckets(resolve(Net(), default=POLICY))
+    assert bucket.comms == {bf16, fp32}
+    for r in ranks:
+        assert Counter(op for op, _, _ in r["collectives"]) == {"all_reduce": 2 * 5}
+
+
+def blocks() -> nn.Sequential:
+    """8 Linear(300, 300) (361 kB each), two of them reduced in fp32."""
+    model = nn.Sequential(*[nn.Linear(300, 300) for _ in range(8)])
+    for i in (2, 5):
+        precision(compute=fp32, comm=fp32)(model[i])
+    return model
+
+
+def test_buckets_are_predicted_as_ddp_rebuilds_them(group: None) -> None:
+    model = blocks()
+    plan = resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16))
+    apply(model, plan)
+    wrapped = DistributedDataParallel(model)
+    wrapped.register_comm_hook(None, ddp.comm_hook(plan))
+    for _ in range(3):  # DDP rebuilds its buckets in the second step, and logs them
+        wrapped(torch.randn(4, 300)).sum().backward()
+    rebuilt = wrapped._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    predicted = ddp.buckets(plan)
+    assert [int(x) for x in str(rebuilt).split(", ")] == [b.bytes for b in predicted]
+    assert [b.modules for b in predicted] == [("7", "6", "5"), ("4", "3", "2", "1", "0")]
+    assert [b.comms for b in predicted] == [{bf16, fp32}, {bf16, fp32}]
+    (split,) = [f for f in ddp.findings(plan, wrapped) if f.code == "ddp-mixed-bucket"]
+    assert split.message.startswith("2 of DDP's 2 gradient buckets mix comm dtypes (bf16, fp32)")
+    assert "4 all-reduces per step instead of 2" in split.message
+    # one cap for every bucket when you set it, as DDP does
+    assert [b.bytes for b in ddp.buckets(plan, bucket_cap_mb=0.5)] == [722400] * 4
+    uniform = resolve(blocks(), default="bf16-mixed")  # comm fp32 everywhere
+    assert ddp.findings(uniform) == []
+
+
+def test_check_a_ddp_model_without_the_plans_hook(group: None) -> None:
+    model = Net()
+    plan = resolve(model, default=POLICY)
+    apply(model, plan)
+    bare = DistributedDataParallel(model)
+    found = {f.code: f for f in check(bare, "ddp")}
+    assert found["ddp-no-hook"].severity == "error"
+    assert "comm (bf16) for 2 modules is dropped" in found["ddp-no-hook"].message
+    foreign = DistributedDataParallel(model)
+    foreign.register_comm_hook(None, allreduce_hook)
+    found = {f.code: f for f in check(foreign, "ddp")}
+    assert "ddp-no-hook" not in found and found["ddp-other-hook"].severity == "warning"
+    assert "'allreduce_hook'" in found["ddp-other-hook"].message
+    ours = DistributedDataParallel(model)
+    ours.register_comm_hook(None, ddp.comm_hook(plan))
+    codes = {f.code for f in check(ours, "ddp")}
+    assert not codes & {"ddp-no-hook", "ddp-other-hook", "ddp-needs-hook"}
+    assert "ddp-needs-hook" in {f.code for f in check(plan, "ddp")}  # no model: a reminder
+    assert check(resolve(Net(), default="bf16-mixed"), "ddp") == []
 
 
 def test_bad_input() -> None:
@@ -22,3 +100,6 @@ def test_bad_input() -> None:
     loaded = PrecisionPlan.from_json(resolve(nn.Linear(2, 2)).to_json())
     with pytest.raises(RuntimeError, match="does not hold its model"):
         ddp.comm_hook(loaded)
+    with pytest.raises(ValueError, match=r"bucket_cap_mb is DDP's bucket size in MiB.*"
+                                         r"Received: bucket_cap_mb=0"):
+        ddp.buckets(loaded, bucket_cap_mb=0)

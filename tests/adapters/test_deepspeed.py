@@ -221,6 +221,76 @@ def check_training(result: dict[str, Any]) -> None:
     assert result["comm_dtype"]["fc1.inner.weight"] == "bf16"
 
 
+def codes_of(model_or_plan: Any, base: Any = BASE) -> dict[str, Any]:
+    """`check(..., "deepspeed", base)` by code; it warns nothing (the warnings are findings)."""
+    from precision_annot import check
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = check(model_or_plan, "deepspeed", base)
+    return {f.code: f for f in found if f.code.startswith("deepspeed-")}
+
+
+def test_check_says_what_to_config_refuses_in_its_words() -> None:
+    plan = resolve(nn.Linear(4, 4), default="bf16")
+    base = {**BASE, "fp16": {"enabled": True}}
+    with pytest.raises(ValueError) as refused:
+        dsa.to_config(plan, base)
+    found = codes_of(plan, base)
+    assert list(found) == ["deepspeed-config"] and found["deepspeed-config"].severity == "error"
+    assert found["deepspeed-config"].message == str(refused.value)
+    bad = codes_of(plan, {"zero_optimization": {"stage": "two"}})["deepspeed-config"]
+    assert "zero_optimization.stage" in bad.message
+    assert codes_of(plan) == {}
+
+
+def test_check_mixed_storage_with_its_byte_cost() -> None:
+    found = codes_of(resolve(island(), default="bf16"))
+    assert list(found) == ["deepspeed-mixed-storage"]
+    # the Linears' 20 + 10 parameters grow from 2 to 4 bytes each
+    assert "(60 more bytes of parameters)" in found["deepspeed-mixed-storage"].message
+    assert dsa.translate(resolve(island(), default="bf16"), warn=False).extra_bytes == 60
+    assert codes_of(resolve(nn.Sequential(nn.Linear(4, 4)), default="bf16")) == {}
+
+
+def test_check_fp16_autocast_under_zero_1_to_3() -> None:
+    plan = resolve(island(), default="16-mixed")
+    for stage in (1, 2, 3):
+        found = codes_of(plan, {"zero_optimization": {"stage": stage}})
+        assert list(found) == ["deepspeed-fp16-zero"], found
+        assert f"zero_optimization.stage={stage}" in found["deepspeed-fp16-zero"].message
+    assert codes_of(plan, {"zero_optimization": {"stage": 0}}) == {}
+    assert codes_of(resolve(island(), default="bf16-mixed")) == {}
+
+
+def test_check_zero_0_ignores_per_module_comm() -> None:
+    """The 2-rank run below shows it: ZeRO 0 reduces every gradient in fp32."""
+    plan = resolve(nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(ScaledLinear(4, 4))),
+                   default=Policy(compute=bf16, storage=fp32, comm=bf16))
+    found = codes_of(plan, {"zero_optimization": {"stage": 0}})
+    assert list(found) == ["deepspeed-zero0-comm"]
+    assert codes_of(plan, {"zero_optimization": {"stage": 1}}) == {}
+
+
+def test_check_a_plan_that_needs_prepare() -> None:
+    """Two Linears reduced in different dtypes cannot be said by class in the config."""
+    model = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(nn.Linear(4, 4)))
+    found = codes_of(resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16)))
+    assert list(found) == ["deepspeed-needs-prepare"]
+    assert "prepare(model, plan)" in found["deepspeed-needs-prepare"].fix
+    by_class = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(ScaledLinear(4, 4)))
+    plan = resolve(by_class, default=Policy(compute=bf16, storage=fp32, comm=bf16))
+    assert codes_of(plan) == {}
+
+
+def test_check_a_static_fp16_loss_scale() -> None:
+    plan = resolve(nn.Sequential(nn.Linear(4, 4)), default="fp16")
+    found = codes_of(plan, {**BASE, "fp16": {"loss_scale": 128}})
+    assert list(found) == ["deepspeed-static-loss-scale"]
+    assert "fp16.loss_scale=128" in found["deepspeed-static-loss-scale"].message
+    assert codes_of(plan, {**BASE, "fp16": {"loss_scale": 0}}) == {}
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_fp32_island_trains_under_zero_0_to_3(ranks: int, tmp_path: Path) -> None:
     results = run("train", STAGES, ranks, tmp_path)

@@ -4,6 +4,7 @@ gloo), and real training on 2 gloo ranks."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from precision_annot import Policy, bf16, fp16, fp32, precision, resolve
+from precision_annot import Policy, apply, bf16, fp16, fp32, precision, resolve
 from precision_annot.adapters import fsdp
+from precision_annot.dtypes import dtype_name
+from precision_annot.plan import human_bytes
 from tests.adapters.distributed import check_training, run_ranks
-from tests.helpers import free_port
+from tests.helpers import Recorder, free_port
+from tests.workers.dist import MERGE_BELOW
+from tests.workers.models import POLICY, Net
 
 
 @pytest.fixture
@@ -112,9 +117,149 @@ def test_wrap_policy_matches_units_by_name_on_a_copy_or_a_loaded_plan(group: Non
         _fsdp1_units(nn.Sequential(nn.Linear(4, 4)), fsdp.wrap_policy(plan))
 
 
+def recorded(calls: list[list[Any]], ops: tuple[str, ...]) -> Counter[tuple[str, str]]:
+    return Counter((op, dtype) for op, dtype, _ in calls if op in ops)
+
+
+def predicted(cost: fsdp.CollectiveCost, gather: str, steps: int) -> Counter[tuple[str, str]]:
+    """The collectives `collective_cost` says `steps` steps issue, by kind and dtype."""
+    out: Counter[tuple[str, str]] = Counter()
+    for c in cost.units:
+        (stored,) = c.unit.storage
+        out[gather, dtype_name(c.unit.param_dtype or stored)] += c.gathers * steps
+        out["reduce_scatter_single", dtype_name(c.unit.reduce_dtype or stored)] += steps
+    return out
+
+
 @pytest.mark.parametrize("mode", ["fsdp1", "fsdp2"])
 def test_two_ranks_train_with_planned_dtypes(mode: str, tmp_path: Path) -> None:
     ranks = run_ranks(mode, tmp_path)
     check_training(ranks, "reduce_scatter_single")
     if mode == "fsdp2":  # FSDP2 alone fails where the adapter trains
         assert "same dtype" in ranks[0]["plain_fsdp2_error"]
+    # the cost model's count is the count recorded: per step, the root (bf16) gathers once,
+    # the fp32 norm unit twice, and each reduce-scatters once
+    gather = "all_gather" if mode == "fsdp1" else "all_gather_single"  # FSDP1 on CPU: a list
+    cost = fsdp.collective_cost(resolve(Net(), default=POLICY))
+    assert (cost.gathers, cost.reduce_scatters) == (3, 2)
+    for r in ranks:
+        assert recorded(r["collectives"], (gather, "reduce_scatter_single")) == predicted(
+            cost, gather, 5) == Counter({(gather, "fp32"): 10, (gather, "bf16"): 5,
+                                         ("reduce_scatter_single", "fp32"): 5,
+                                         ("reduce_scatter_single", "bf16"): 5})
+    if mode == "fsdp1":
+        return
+    # merge_below: the island shares the root's unit, 2 collectives a step instead of 5, the
+    # unit gathered and reduced in fp32; the island still computes in fp32, the rest in bf16
+    merged_cost = fsdp.collective_cost(resolve(Net(), default=POLICY), merge_below=MERGE_BELOW)
+    assert merged_cost.collectives == 2
+    for r in ranks:
+        m = r["merged"]
+        assert recorded(m["collectives"], (gather, "reduce_scatter_single")) == predicted(
+            merged_cost, gather, 5) == Counter({(gather, "fp32"): 5,
+                                                ("reduce_scatter_single", "fp32"): 5})
+        assert m["seen"] == {"fc1": ["bf16"], "norm": ["fp32"], "fc2": ["bf16"]}
+        assert m["losses"][-1] < m["losses"][0] * 0.9
+    assert ranks[0]["merged"]["params"] == ranks[1]["merged"]["params"]
+    ref = ranks[0]["reference"]
+    worst = max(abs(a - b) for n in ref for a, b in zip(ref[n], ranks[0]["merged"]["params"][n],
+                                                         strict=True))
+    assert worst < 5e-3, worst
+
+
+def small_islands(blocks: int = 5) -> nn.Sequential:
+    """Linear(128, 128) blocks, each followed by an fp32 LayerNorm island of 256 parameters
+    (0.3% of the model)."""
+    layers: list[nn.Module] = []
+    for _ in range(blocks):
+        layers += [nn.Linear(128, 128), precision(fp32)(Recorder(nn.LayerNorm(128)))]
+    return nn.Sequential(*layers)
+
+
+def test_check_many_small_units_and_the_merge_that_answers_it() -> None:
+    plan = resolve(small_islands(), default="bf16-mixed")
+    found = [f for f in fsdp.findings(plan) if f.code == "fsdp-small-units"]
+    (small,) = found
+    assert small.severity == "info"
+    assert small.message.startswith("5 of 6 FSDP units hold less than 1% of the parameters")
+    assert "(17 collectives in all)" in small.message  # 5 islands x 3, the root 1 + 1
+    # the trade, by hand: the root (82,560 parameters) was gathered in bf16 and reduced in
+    # fp32, each island gathered twice and reduced in fp32; merged, one unit does both in fp32
+    before = 82560 * 2 + 82560 * 4 + 5 * (2 * 256 * 4 + 256 * 4)
+    after = 83840 * 4 * 2
+    merged = fsdp.collective_cost(plan, merge_below=0.01)
+    assert (fsdp.collective_cost(plan).bytes, merged.bytes) == (before, after)
+    assert "merge_below=0.01) makes 15 fewer collectives per step" in small.fix
+    assert f"moves {human_bytes(after - before)} more" in small.fix
+    assert fsdp.unit_names(plan, merge_below=0.01) == [""]
+    assert fsdp.findings(plan, merge_below=0.01) == []  # merged, nothing left to say
+    assert fsdp.findings(resolve(small_islands(3), default="bf16-mixed")) == []  # 3 units only
+    # the estimate is the stated model: latency + bytes / bandwidth per collective
+    cost = fsdp.collective_cost(plan, latency_s=1.0, bandwidth=float("inf"))
+    assert cost.seconds == 17.0
+
+
+def test_merged_units_keep_each_module_computing_as_planned(group: None) -> None:
+    model = small_islands(2)
+    plan = resolve(model, default="bf16-mixed")
+    fsdp.fully_shard(model, plan, merge_below=0.01)
+    from torch.distributed.fsdp import FSDPModule
+
+    assert [n for n, m in model.named_modules() if isinstance(m, FSDPModule)] == [""]
+    model(torch.randn(2, 128)).sum().backward()
+    assert model[1].seen == [fp32] and model[3].seen == [fp32]
+    assert all(p.grad is not None for p in model.parameters())
+    twin = small_islands(2)
+    apply(twin, plan)
+    assert _fsdp1_units(twin, fsdp.wrap_policy(plan, merge_below=0.01)) == []
+    assert _fsdp1_units(small_islands(2), fsdp.wrap_policy(plan)) == ["1", "3"]
+
+
+def test_check_a_unit_holding_several_dtypes() -> None:
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to(fp16))  # storage not planned
+    (found,) = fsdp.findings(resolve(mixed))
+    assert (found.severity, found.code, found.module) == ("error", "fsdp-mixed-unit", "")
+    assert "fp32: ['0']; fp16: ['1']" in found.message
+    planned = nn.Sequential(nn.Linear(2, 2), precision(storage=fp16)(nn.Linear(2, 2)))
+    assert fsdp.findings(resolve(planned)) == []  # a storage change makes its own unit
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(128, 128)
+        self.norm = precision(fp32)(nn.LayerNorm(128))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(self.fc(x))
+        return out
+
+
+def test_check_counts_the_units_selected_as_fully_shard_would() -> None:
+    from precision_annot import check
+
+    model = nn.Sequential(*[Block() for _ in range(5)])
+    apply(model, resolve(model, default="bf16-mixed"))
+    (small,) = check(model, "fsdp", {"units": [Block]})
+    # 5 blocks and 5 islands hold parameters; the islands merge into their blocks
+    assert small.message.startswith("5 of 10 FSDP units") and "(30 collectives" in small.message
+    assert "15 fewer collectives" in small.fix and small.fix.startswith("Let small islands")
+    assert check(model, "fsdp", {"units": [Block], "merge_below": 0.01}) == []
+    with pytest.raises(ValueError, match="'units' selects modules, so it needs the model"):
+        check(resolve(model, default="bf16-mixed"), "fsdp", {"units": [Block]})
+    # when bytes cost more than the latency saved, the fix says to keep the units
+    (slow,) = check(model, "fsdp", {"units": [Block], "bandwidth": 1e6})
+    assert slow.fix.startswith("Keep them:") and "slower at these constants" in slow.fix
+
+
+def test_merge_below_never_makes_a_unit_of_two_dtypes() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), precision(storage=bf16)(nn.Linear(2, 2)),
+                          precision(fp32)(nn.LayerNorm(2)))
+    plan = resolve(model, default="bf16-mixed")
+    assert fsdp.unit_names(plan) == ["1", "2", ""]
+    # the LayerNorm (fp32, 4 parameters) joins the root; the bf16 Linear cannot
+    assert fsdp.unit_names(plan, merge_below=0.5) == ["1", ""]
+    assert fsdp.findings(plan, merge_below=0.5) == []
+    with pytest.raises(ValueError, match=r"merge_below is a share of the parameters, between 0 "
+                                         r"and 1. Received: merge_below=1.5"):
+        fsdp.unit_names(plan, merge_below=1.5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 
 from precision_annot.dtypes import dtype_name
 
-NAMES = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+NAMES = ("all_reduce", "reduce", "all_gather", "reduce_scatter", "reduce_scatter_tensor",
          "reduce_scatter_single", "all_gather_into_tensor", "all_gather_single",
          "all_to_all_single")
 
@@ -37,8 +38,13 @@ def recording(*namespaces: ModuleType) -> Iterator[list[Call]]:
             setattr(namespace, name, original)
 
 
+_inside = threading.local()  # one record per collective, even if one wrapped call makes another
+
+
 def _wrap(original: Callable[..., Any], name: str, into: list[Call]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside, "active", False):
+            return original(*args, **kwargs)
         tensors = []
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor):
@@ -48,6 +54,10 @@ def _wrap(original: Callable[..., Any], name: str, into: list[Call]) -> Callable
         if tensors:
             t = max(tensors, key=lambda x: x.numel())
             into.append((name, dtype_name(t.dtype), t.numel()))
-        return original(*args, **kwargs)
+        _inside.active = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _inside.active = False
 
     return wrapped

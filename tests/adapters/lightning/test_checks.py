@@ -1,0 +1,111 @@
+"""check(..., "lightning", trainer_kwargs): each finding from the Trainer's arguments, absent
+when they are right, and each refusal it predicts confirmed on the real Trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from precision_annot import Finding, check, resolve
+from precision_annot.adapters.lightning import AnnotatedFSDPPrecision, AnnotatedPrecision
+from tests.adapters.lightning.models import QUIET, Net, data
+from tests.workers.models import POLICY
+
+
+def found(config: dict[str, Any], default: Any = POLICY) -> dict[str, Finding]:
+    out = check(resolve(Net(), default=default), "lightning", config)
+    return {f.code: f for f in out if f.code.startswith(("lightning-", "ddp-", "deepspeed-"))}
+
+
+class CPUFSDPStrategy(FSDPStrategy):  # type: ignore[misc]
+    """A subclass: Lightning's CPU refusal is for the exact class, its plugin check for all."""
+
+
+def trainer(**kwargs: Any) -> L.Trainer:
+    return L.Trainer(**{**QUIET, "enable_checkpointing": False, **kwargs})
+
+
+def test_no_plugin_means_the_plan_is_not_applied() -> None:
+    (f,) = found({"precision": "bf16-mixed"}).values()
+    assert (f.severity, f.code) == ("error", "lightning-no-plugin")
+    assert "runs precision='bf16-mixed' for the whole model" in f.message
+    assert "AnnotatedPrecision(default='bf16-mixed')" in f.fix
+    assert found({"plugins": [AnnotatedPrecision()], "accelerator": "gpu"}) == {}
+
+
+def test_precision_and_the_plugin_together() -> None:
+    config = {"precision": "16-mixed", "plugins": [AnnotatedPrecision()], "accelerator": "gpu"}
+    assert list(found(config)) == ["lightning-precision"]
+    with pytest.raises(ValueError, match="Received both `precision=16-mixed`"):
+        trainer(precision="16-mixed", plugins=[AnnotatedPrecision()])
+
+
+def test_fsdp_strategy_needs_the_fsdp_plugin() -> None:
+    config = {"strategy": CPUFSDPStrategy(), "plugins": [AnnotatedPrecision()],
+              "accelerator": "cpu"}
+    assert "lightning-strategy" in found(config)
+    with pytest.raises(TypeError, match="can only work with the `FSDPPrecision` plugin"):
+        trainer(strategy=CPUFSDPStrategy(), plugins=[AnnotatedPrecision()])
+    config["plugins"] = [AnnotatedFSDPPrecision()]
+    assert "lightning-strategy" not in found(config)
+    trainer(strategy=CPUFSDPStrategy(), plugins=[AnnotatedFSDPPrecision()])  # accepted
+
+
+def test_cuda_only_strategies_on_cpu() -> None:
+    for strategy in ("fsdp", FSDPStrategy(), "deepspeed", DeepSpeedStrategy()):
+        plugin = AnnotatedFSDPPrecision() if "FSDP" in str(strategy) or strategy == "fsdp" \
+            else AnnotatedPrecision()
+        got = found({"strategy": strategy, "plugins": [plugin], "accelerator": "cpu"})
+        assert got["lightning-cuda-only"].severity == "error", strategy
+        assert "lightning-cpu" not in got
+        got = found({"strategy": strategy, "plugins": [plugin], "accelerator": "gpu"})
+        assert "lightning-cuda-only" not in got
+    assert "lightning-cuda-only" not in found({"strategy": CPUFSDPStrategy(), "accelerator": "cpu",
+                                               "plugins": [AnnotatedFSDPPrecision()]})
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        trainer(strategy="fsdp", plugins=[AnnotatedFSDPPrecision()])
+    with pytest.raises(RuntimeError, match="only supported on CUDA GPUs"):
+        trainer(strategy="deepspeed", plugins=[AnnotatedPrecision()], max_steps=1).fit(
+            Net(), data())
+
+
+def test_deepspeed_strategy_brings_the_deepspeed_findings() -> None:
+    for strategy, stage in (("deepspeed_stage_3", 3), ("deepspeed", 2),
+                            (DeepSpeedStrategy(stage=1), 1)):
+        got = found({"strategy": strategy, "plugins": [AnnotatedPrecision()],
+                     "accelerator": "gpu"}, default="16-mixed")
+        assert f"zero_optimization.stage={stage}" in got["deepspeed-fp16-zero"].message
+    got = found({"strategy": "deepspeed", "plugins": [AnnotatedPrecision()],
+                 "accelerator": "gpu"}, default="bf16-mixed")
+    assert got == {}
+
+
+def test_ddp_comm_hook_given_with_a_plan_that_sets_comm() -> None:
+    def config(accelerator: str, hook: Any = allreduce_hook) -> dict[str, Any]:
+        return {"strategy": DDPStrategy(ddp_comm_hook=hook), "plugins": [AnnotatedPrecision()],
+                "accelerator": accelerator}
+
+    cpu = found(config("cpu"))
+    assert cpu["lightning-ddp-hook"].severity == "error"  # Lightning drops it; the plan's too
+    assert "lightning-cpu" in cpu and "ddp-mixed-bucket" in cpu
+    assert "ddp-needs-hook" not in cpu  # the plugin registers the plan's hook
+    assert found(config("gpu"))["lightning-ddp-hook"].severity == "warning"  # it replaces ours
+    assert "lightning-ddp-hook" not in found(config("cpu", hook=None))
+    assert "lightning-ddp-hook" not in found(config("cpu"), default="32-true")
+
+
+def test_cpu_paths_are_mentioned_on_cpu_only() -> None:
+    config = {"strategy": "ddp", "plugins": [AnnotatedPrecision()], "accelerator": "cpu"}
+    info = found(config)["lightning-cpu"]
+    assert info.severity == "info" and "only on CUDA" in info.message
+    assert "lightning-cpu" not in found({**config, "accelerator": "gpu"})
+
+
+def test_config_must_be_the_trainers_keyword_arguments() -> None:
+    with pytest.raises(TypeError, match="dict of the Trainer's keyword arguments"):
+        check(resolve(Net()), "lightning", ["ddp"])
+    assert check(resolve(Net(), default="bf16-mixed"), "lightning") == []  # nothing to read
