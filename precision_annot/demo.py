@@ -8,7 +8,9 @@
 6. asks `suggest` which modules fp16 needs in fp32 (the model's feed-forward runs a hidden
    state past fp16's range, as T5's does), and prints its table;
 7. trains the model three ways over the same steps: fp32, all fp16 with loss scaling, and the
-   suggested plan, and prints the final losses side by side.
+   suggested plan, and prints the final losses side by side;
+8. checks the suggested plan before a launch on DeepSpeed ZeRO-2 and on FSDP2, and prints what
+   each would refuse or run badly.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import copy
 import json
 import logging
 import math
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -27,6 +30,7 @@ from torch import nn
 
 from precision_annot._demo import TinyTransformer, build_model
 from precision_annot.annotation import annotate
+from precision_annot.checking import check
 from precision_annot.plan import PrecisionPlan
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply
@@ -140,7 +144,8 @@ def run_demo(*, fast: bool = False, out: str | Path = "demo-output") -> int:
     print(f"\n5. The same plan as a DeepSpeed config, written to {path}:")
     print(f"   {json.dumps(config['torch_autocast'])}")
     print("   Call precision_annot.adapters.deepspeed.prepare(model) before deepspeed.initialize.")
-    islands_demo(steps)
+    suggested = islands_demo(steps)
+    check_demo(suggested)
     print("\nNext: docs/index.md for the tour, docs/cookbook/ for recipes, "
           "`precision-annot report pkg.module:make_model` for your own model.")
     return 0
@@ -179,8 +184,9 @@ def train_loop(model: nn.Module, plan: PrecisionPlan | None, steps: int) -> list
     return losses
 
 
-def islands_demo(steps: int) -> None:
-    """Sections 6 and 7: suggest's islands for fp16, and why they matter, in training."""
+def islands_demo(steps: int) -> PrecisionPlan:
+    """Sections 6 and 7: suggest's islands for fp16, and why they matter, in training; returns
+    the suggested plan."""
     print("\n6. Which modules does fp16 need in fp32? suggest(model, batch, low='16-mixed')")
     print("   The feed-forward's hidden state runs 2**16 times larger than its output (T5's")
     print("   pattern): fine in fp32 and bf16, past fp16's 65504. suggest runs each module")
@@ -212,3 +218,18 @@ def islands_demo(steps: int) -> None:
     print(f"\n   The suggested plan ends {gap:.2%} from fp32; without islands fp16 never trains.")
     print("   `precision-annot suggest mymod:make_model --sample mymod:make_batch --low fp16`")
     print("   does the same for your model and writes the plan for every backend.")
+    return found.plan
+
+
+def check_demo(plan: PrecisionPlan) -> None:
+    """Section 8: what two backends would do with the suggested fp16 plan."""
+    print("\n8. Before launching the suggested plan: check(plan, backend, config)")
+    for backend, config in (("deepspeed", {"zero_optimization": {"stage": 2}}), ("fsdp", None)):
+        found = check(plan, backend, config)
+        shown = f"{backend}, {json.dumps(config)}" if config else backend
+        print(f"\n   {shown}: {len(found)} findings")
+        for finding in found:
+            print(textwrap.fill(str(finding), width=92, initial_indent="   - ",
+                                subsequent_indent="     "))
+    print("\n   `precision-annot check mymod:make_model --backend deepspeed --config ds.json`")
+    print("   exits 1 on an error, so a CI job can stop a launch that would not train.")

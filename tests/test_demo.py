@@ -28,7 +28,8 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
     for marker in ("1. A small transformer", "2. The plan", "3. Training under the plan",
                    "4. The same model in plain fp32", "final loss", "5. The same plan as a "
                    "DeepSpeed config", "6. Which modules does fp16 need in fp32?",
-                   "fp32 islands (2, ", "7. The same model trained"):
+                   "fp32 islands (2, ", "7. The same model trained",
+                   "8. Before launching the suggested plan", "[deepspeed-fp16-zero]"):
         assert marker in out
     losses = next(line for line in out.splitlines() if "final loss" in line).split()
     annotated, fp32 = float(losses[2]), float(losses[3])
