@@ -81,8 +81,10 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         >>> from torch import nn
         >>> from precision_annot import check, resolve
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-        >>> [f.code for f in check(resolve(model, "bf16-true"))]
-        ['low-storage', 'low-sensitive-op']
+        >>> for finding in check(resolve(model, "bf16-true")):
+        ...     print(finding.severity, finding.code)
+        warning low-storage
+        warning low-sensitive-op
         >>> check(resolve(model, "bf16-mixed"), "deepspeed", {"zero_optimization": {"stage": 2}})
         []
     """
