@@ -365,7 +365,7 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
     (dtype,) = dsp.low_compute
     refusal = _fp16_zero_refusal(dsp, stage)
     if refusal:
-        raise ValueError(refusal)
+        raise ValueError(f"{refusal} (see the DeepSpeed guide). {FP16_ZERO_FIX}")
     needs = f"torch_autocast (fp32 storage, {dtype_name(dtype)} compute)"
     for section in ("bf16", "fp16"):
         _disable(config, section, needs)
@@ -394,16 +394,20 @@ ZERO0_COMM = ("ZeRO stage 0 reduces every gradient in the parameter dtype; the p
               "per-module comm dtypes take effect with ZeRO stages 1-3.")
 
 
+FP16_ZERO_FIX = ("Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 section) "
+                 "without fp32 islands.")
+
+
 def _fp16_zero_refusal(dsp: DeepSpeedPlan, stage: int) -> str | None:
-    """Why fp16 compute over fp32 storage cannot train under this ZeRO stage, or None."""
+    """Why fp16 compute over fp32 storage cannot train under this ZeRO stage (a sentence
+    without its full stop), or None."""
     if dsp.case != "autocast" or fp16 not in dsp.low_compute or stage < 1:
         return None
     if not fp16_autocast_zero_broken():
         return None
     return (f"fp16 compute over fp32 storage maps to torch_autocast dtype float16, and with "
             f"zero_optimization.stage={stage} deepspeed {deepspeed_version()} does not update "
-            "the parameters (see the DeepSpeed guide). Use ZeRO stage 0, bf16 compute, or "
-            "uniform fp16 storage (the fp16 section) without fp32 islands.")
+            "the parameters")
 
 
 def _zero0_ignores_comm(dsp: DeepSpeedPlan, stage: int) -> bool:
@@ -537,9 +541,7 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
         ))
     refusal = _fp16_zero_refusal(dsp, stage)
     if refusal:
-        out.append(Finding("error", "deepspeed-fp16-zero", "", refusal.split(" (see")[0] + ".",
-                           "Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 "
-                           "section) without fp32 islands."))
+        out.append(Finding("error", "deepspeed-fp16-zero", "", f"{refusal}.", FP16_ZERO_FIX))
     if _zero0_ignores_comm(dsp, stage):
         out.append(Finding("warning", "deepspeed-zero0-comm", "", ZERO0_COMM,
                            "Use ZeRO stage 1-3, or one comm dtype."))
