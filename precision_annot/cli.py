@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from precision_annot.checking import BACKENDS
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import as_policy
 from precision_annot.resolution import resolve
@@ -213,6 +214,27 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(fast=args.fast, out=args.out)
 
 
+_MODEL = "package.module:callable or path/to/file.py:callable"
+_MODEL_OR_PLAN = "package.module:callable, path/to/file.py:callable, or a plan.json"
+
+
+def _command(sub: Any, name: str, help: str, func: Any, *, target: str | None = _MODEL_OR_PLAN,
+             sample: bool = False, default: bool = True) -> argparse.ArgumentParser:
+    """A subcommand with the arguments the model commands share: the target, `--sample`,
+    `--default`."""
+    command: argparse.ArgumentParser = sub.add_parser(name, help=help)
+    if target is not None:
+        command.add_argument("target", help=target)
+    if sample:
+        command.add_argument("--sample", required=True, metavar="TARGET",
+                             help="a callable giving a batch: a tensor, a dict of keyword "
+                                  "arguments, or (args, kwargs)")
+    if default:
+        command.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
+    command.set_defaults(func=func)
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="precision-annot",
@@ -220,36 +242,21 @@ def _parser() -> argparse.ArgumentParser:
                     "fp32 islands, check before launch, export configs, demo.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    target_help = "package.module:callable, path/to/file.py:callable, or a plan.json"
-    report = sub.add_parser("report", help="print the precision plan of a model")
-    report.add_argument("target", help=target_help)
+    report = _command(sub, "report", "print the precision plan of a model", _cmd_report)
     report.add_argument("--json", action="store_true", help="machine-readable output")
-    report.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
-    report.set_defaults(func=_cmd_report)
     export = sub.add_parser("export", help="export a backend config for a model's plan")
     backends = export.add_subparsers(dest="backend", required=True)
-    ds = backends.add_parser("deepspeed", help="a DeepSpeed config (JSON)")
-    ds.add_argument("target", help=target_help)
+    ds = _command(backends, "deepspeed", "a DeepSpeed config (JSON)", _cmd_export)
     ds.add_argument("--base", metavar="CFG.json", help="your config; its settings win")
     ds.add_argument("-o", "--output", metavar="OUT.json", help="write here instead of stdout")
-    ds.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
-    ds.set_defaults(func=_cmd_export)
-    aud = sub.add_parser("audit", help="apply the plan, run one step, and report every dtype "
-                         "that differs from the plan (exit status 1 if any)")
-    aud.add_argument("target", help="package.module:callable or path/to/file.py:callable")
-    aud.add_argument("--sample", required=True, metavar="TARGET",
-                     help="a callable giving a batch: a tensor, a dict of keyword arguments, "
-                          "or (args, kwargs)")
-    aud.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
+    aud = _command(sub, "audit", "apply the plan, run one step, and report every dtype that "
+                   "differs from the plan (exit status 1 if any)", _cmd_audit, target=_MODEL,
+                   sample=True)
     aud.add_argument("--plan", metavar="PLAN.json", help="apply this plan instead of resolving")
     aud.add_argument("--forward-only", action="store_true", help="skip the backward")
-    aud.set_defaults(func=_cmd_audit)
-    sug = sub.add_parser("suggest", help="find the fp32 islands a model needs in fp16 or bf16, "
-                         "verified end to end (exit status 1 if none meets the tolerance)")
-    sug.add_argument("target", help="package.module:callable or path/to/file.py:callable")
-    sug.add_argument("--sample", required=True, metavar="TARGET",
-                     help="a callable giving a batch: a tensor, a dict of keyword arguments, "
-                          "or (args, kwargs)")
+    sug = _command(sub, "suggest", "find the fp32 islands a model needs in fp16 or bf16, "
+                   "verified end to end (exit status 1 if none meets the tolerance)",
+                   _cmd_suggest, target=_MODEL, sample=True, default=False)
     sug.add_argument("--low", default="bf16", metavar="SPEC",
                      help="everything else runs in this: bf16, fp16, bf16-mixed, 16-mixed "
                           "(default: bf16)")
@@ -260,24 +267,19 @@ def _parser() -> argparse.ArgumentParser:
     sug.add_argument("--out", metavar="PLAN.json", help="write the suggested plan here")
     sug.add_argument("--plot", metavar="FILE.png", help="write the sensitivity chart here")
     sug.add_argument("--json", action="store_true", help="print the suggestion as JSON")
-    sug.set_defaults(func=_cmd_suggest)
-    chk = sub.add_parser("check", help="say before launch what a backend will ignore, refuse "
-                         "or run badly (exit status 1 if there is an error)")
-    chk.add_argument("target", help=target_help)
-    chk.add_argument("--backend", choices=["local", "deepspeed", "fsdp", "fsdp1", "ddp",
-                                           "lightning"],
+    chk = _command(sub, "check", "say before launch what a backend will ignore, refuse or run "
+                   "badly (exit status 1 if there is an error)", _cmd_check)
+    chk.add_argument("--backend", choices=BACKENDS,
                      help="the backend you will launch with (default: what holds for all)")
     chk.add_argument("--config", metavar="CFG.json",
                      help="deepspeed: your config (JSON or hjson); lightning: the Trainer's "
-                          "arguments; fsdp: merge_below, latency_s, bandwidth; ddp: "
+                          "arguments; fsdp: units, merge_below, latency_s, bandwidth; ddp: "
                           "bucket_cap_mb (JSON)")
-    chk.add_argument("--default", metavar="SPEC", help="default policy, e.g. bf16-mixed")
     chk.add_argument("--json", action="store_true", help="print the findings as JSON")
-    chk.set_defaults(func=_cmd_check)
-    demo = sub.add_parser("demo", help="annotate, plan and train a small transformer")
+    demo = _command(sub, "demo", "annotate, plan and train a small transformer", _cmd_demo,
+                    target=None, default=False)
     demo.add_argument("--fast", action="store_true", help="fewer steps")
     demo.add_argument("--out", default="demo-output", help="where to write the DeepSpeed config")
-    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 __all__ = ["DTYPE_NAMES", "LOW_PRECISION", "bf16", "dtype_name", "fp16", "fp32", "fp64",
-           "to_dtype", "wider"]
+           "to_dtype", "wider", "widest"]
 
 fp64 = torch.float64
 fp32 = torch.float32
@@ -36,6 +38,13 @@ _RANK: dict[torch.dtype, int] = {fp64: 3, fp32: 2, fp16: 1, bf16: 1}
 def wider(a: torch.dtype, b: torch.dtype) -> bool:
     """True when `a` holds every value of `b` and more: fp64 > fp32 > {fp16, bf16}."""
     return _RANK.get(a, 0) > _RANK.get(b, 0)
+
+
+def widest(dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
+    """The widest of `dtypes` (None entries ignored; None if there is none), the first of a
+    tie: fp64 > fp32 > {fp16, bf16}."""
+    known = [d for d in dtypes if d is not None]
+    return max(known, key=lambda d: _RANK.get(d, 0)) if known else None
 
 
 def _valid() -> str:

@@ -209,11 +209,19 @@ def dtypes_of(model: nn.Module) -> dict[str, torch.dtype]:
     return out
 
 
+#: one example: a tree, class tags on its leaves, rules, and the root's default
+EXAMPLES = {
+    "tree": trees(),
+    "tags": st.fixed_dictionaries({k: maybe for k in LEAVES}),
+    "rules": rules,
+    "default": st.builds(Policy, compute=st.sampled_from([fp32, bf16, fp16]),
+                         storage=st.sampled_from(DTYPES), comm=st.sampled_from(DTYPES)),
+}
+
+
 @settings(max_examples=250, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(tree=trees(), tags=st.fixed_dictionaries({k: maybe for k in LEAVES}), rules=rules,
-       default=st.builds(Policy, compute=st.sampled_from([fp32, bf16, fp16]),
-                         storage=st.sampled_from(DTYPES), comm=st.sampled_from(DTYPES)))
+@given(**EXAMPLES)
 def test_random_trees_run_exactly_as_planned(tree: Spec, tags: dict[str, Policy | None],
                                              rules: list[tuple[str, Policy]],
                                              default: Policy) -> None:
@@ -269,9 +277,7 @@ def test_random_trees_run_exactly_as_planned(tree: Spec, tags: dict[str, Policy 
 @pytest.mark.slow
 @settings(max_examples=3000, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-@given(tree=trees(), tags=st.fixed_dictionaries({k: maybe for k in LEAVES}), rules=rules,
-       default=st.builds(Policy, compute=st.sampled_from([fp32, bf16, fp16]),
-                         storage=st.sampled_from(DTYPES), comm=st.sampled_from(DTYPES)))
+@given(**EXAMPLES)
 def test_random_trees_many_more_examples(tree: Spec, tags: dict[str, Policy | None],
                                          rules: list[tuple[str, Policy]],
                                          default: Policy) -> None:

@@ -41,6 +41,7 @@ from precision_annot.dtypes import (
     fp16,
     fp32,
     to_dtype,
+    widest,
 )
 from precision_annot.findings import Finding
 from precision_annot.guards import require_module
@@ -322,24 +323,25 @@ def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) ->
         raise _contradiction(f"{section}.enabled", _section(config, section)["enabled"], True)
     _fill(config, section, "enabled", True)
     if low == fp16:
-        scale = _section(config, section).get("loss_scale", "auto")
-        if scale in (None, "auto"):
-            _fill(config, section, "loss_scale", 0)
-        elif scale != 0:
+        static = _static_loss_scale(config, dsp)
+        if static is not None:
             warnings.warn(
-                f"base sets fp16.loss_scale={scale} (static); the plan uses fp16, for which "
+                f"base sets fp16.loss_scale={static} (static); the plan uses fp16, for which "
                 "adapters turn on dynamic loss scaling. Keeping the base's value.",
                 UserWarning, stacklevel=3,
             )
+        elif _section(config, section).get("loss_scale", "auto") in (None, "auto"):
+            _fill(config, section, "loss_scale", 0)
     known = {c for c in dsp.comms if c is not None}
     if len(known) > 1:
-        widest = max(known, key=lambda d: torch.finfo(d).bits)
+        wide = widest(known)
+        assert wide is not None
         warnings.warn(
             f"The plan reduces gradients in several dtypes ({sorted(map(dtype_name, known))}); "
-            f"DeepSpeed's {section} mode reduces all in one. Using {dtype_name(widest)}.",
+            f"DeepSpeed's {section} mode reduces all in one. Using {dtype_name(wide)}.",
             UserWarning, stacklevel=3,
         )
-        known = {widest}
+        known = {wide}
     if known and known != {low}:
         (comm,) = known
         given = _dtype(config.get("communication_data_type"), "communication_data_type")
@@ -347,6 +349,15 @@ def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) ->
             raise _contradiction("communication_data_type", config["communication_data_type"],
                                  SHORT[comm])
         config["communication_data_type"] = SHORT[comm]
+
+
+def _static_loss_scale(config: dict[str, Any], dsp: DeepSpeedPlan) -> object | None:
+    """The base's static fp16 loss scale where the plan runs DeepSpeed's fp16 mode, else None
+    (0, "auto" or unset: dynamic)."""
+    scale: object = _section(config, "fp16").get("loss_scale")
+    if dsp.case == "low_storage" and fp16 in dsp.storages and scale not in (None, 0, "auto"):
+        return scale
+    return None
 
 
 def _fill_fp32(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
@@ -521,7 +532,8 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
 def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:
     """What DeepSpeed will ignore, refuse or run badly for this plan with this base config,
     worked out by the same code as `to_config` and `prepare`."""
-    dsp = translate(model_or_plan, warn=False)
+    plan = resolve(model_or_plan) if isinstance(model_or_plan, nn.Module) else model_or_plan
+    dsp = translate(plan, warn=False)
     try:
         config = _load_base(base)
         stage = _stage(config)
@@ -530,12 +542,10 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
                         "Fix the base config: DeepSpeed would refuse it too.")]
     out = []
     if dsp.moved:
+        storages = {plan[n].policy.storage for n in _param_entries(plan)}
         out.append(Finding(
             "warning", "deepspeed-mixed-storage", "",
-            "The plan mixes storage dtypes, and DeepSpeed's bf16/fp16 modes cast every "
-            f"parameter to one: the {len(dsp.moved)} low-precision modules are exported with "
-            f"fp32 storage ({dsp.extra_bytes:,} more bytes of parameters), their compute kept "
-            "low through torch_autocast.",
+            _mixed_storage_message(storages, len(dsp.moved), dsp.extra_bytes),
             "Accept the bytes, or make storage uniform (every module bf16 or fp16, islands "
             "computing in fp32 over low storage).",
         ))
@@ -557,8 +567,8 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
                 "Call precision_annot.adapters.deepspeed.prepare(model, plan) before "
                 "deepspeed.initialize.",
             ))
-    scale = _section(config, "fp16").get("loss_scale")
-    if dsp.case == "low_storage" and fp16 in dsp.storages and scale not in (None, 0, "auto"):
+    scale = _static_loss_scale(config, dsp)
+    if scale is not None:
         out.append(Finding(
             "warning", "deepspeed-static-loss-scale", "",
             f"The base sets fp16.loss_scale={scale!r}, a static scale: a step that overflows "

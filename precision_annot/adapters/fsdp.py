@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from precision_annot.dtypes import to_dtype
+from precision_annot.dtypes import to_dtype, widest
 from precision_annot.findings import Finding
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan, human_bytes, nearest, parent_name
@@ -114,11 +114,6 @@ class Unit:
     output_dtype: torch.dtype | None
 
 
-def _widest(dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
-    known = [d for d in dtypes if d is not None]
-    return max(known, key=lambda d: torch.finfo(d).bits) if known else None
-
-
 def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
     """The units `names` make of the plan, in the order given: who is in each, and the dtypes
     it is gathered and reduced in (the widest its members need)."""
@@ -131,7 +126,7 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
         holders = [m for m in members[name] if plan[m].params]
         storage = frozenset(to_dtype(k) for m in holders for k in plan[m].param_dtype_bytes)
         stored = next(iter(storage)) if len(storage) == 1 else None
-        gather = _widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
+        gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
         out.append(Unit(
             name=name,
             members=tuple(members[name]),
@@ -139,7 +134,7 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
             storage=storage,
             param_dtype=None if gather is None or gather == (stored or plan[name].policy.storage)
             else gather,
-            reduce_dtype=_widest(plan[m].policy.comm for m in holders) or plan[name].policy.comm,
+            reduce_dtype=widest(plan[m].policy.comm for m in holders) or plan[name].policy.comm,
             output_dtype=plan[name].policy.output,
         ))
     return out
@@ -157,6 +152,14 @@ def _mixed(units: list[Unit], plan: PrecisionPlan) -> list[tuple[Unit, str]]:
             detail = "; ".join(f"{d}: {ns}" for d, ns in by_dtype.items())
             out.append((unit, detail))
     return out
+
+
+MIXED_FIX = "Make each group its own unit with units=[...], or give them one storage dtype."
+
+
+def _mixed_message(detail: str) -> str:
+    return (f"would hold parameters of several dtypes ({detail}), and FSDP flattens one dtype "
+            "per unit.")
 
 
 def _mp2(unit: Unit) -> MixedPrecisionPolicy:
@@ -210,11 +213,8 @@ def fully_shard(
     apply(model, plan)
     shards = plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))
     for unit, detail in _mixed(shards, plan)[:1]:
-        raise ValueError(
-            f"FSDP unit {unit.name or '(root)'!r} would hold parameters of several dtypes "
-            f"({detail}); FSDP flattens one dtype per unit. Make each group its own unit "
-            "with units=[...], or give them one storage dtype."
-        )
+        raise ValueError(f"FSDP unit {unit.name or '(root)'!r} {_mixed_message(detail)} "
+                         f"{MIXED_FIX}")
     named = dict(model.named_modules())
     for unit in shards:
         _fully_shard(named[unit.name], mp_policy=_mp2(unit), **fully_shard_kwargs)
@@ -407,12 +407,8 @@ def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | N
     units = None if units is None else list(units)
     names = unit_names(plan, model, units, merge_below=merge_below)
     for unit, detail in _mixed(plan_units(plan, names), plan):
-        out.append(Finding(
-            "error", "fsdp-mixed-unit", unit.name,
-            f"This FSDP unit would hold parameters of several dtypes ({detail}), and FSDP "
-            "flattens one dtype per unit.",
-            "Make each group its own unit with units=[...], or give them one storage dtype.",
-        ))
+        out.append(Finding("error", "fsdp-mixed-unit", unit.name,
+                           f"This FSDP unit {_mixed_message(detail)}", MIXED_FIX))
     cost = collective_cost(plan, names, latency_s=latency_s, bandwidth=bandwidth)
     total = sum(c.unit.params for c in cost.units) or 1
     small = [c for c in cost.units if c.unit.name and c.unit.params < SMALL_UNIT * total]

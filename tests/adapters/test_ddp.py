@@ -3,14 +3,11 @@ findings: a missing or foreign hook, and buckets the hook splits (predicted as D
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -18,19 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from precision_annot import Policy, PrecisionPlan, apply, bf16, check, fp32, precision, resolve
 from precision_annot.adapters import ddp
 from tests.adapters.distributed import check_training, run_ranks
-from tests.helpers import free_port
 from tests.workers.models import POLICY, Net
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_ranks_reduce_in_the_planned_dtypes(tmp_path: Path) -> None:

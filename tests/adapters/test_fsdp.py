@@ -3,15 +3,12 @@ gloo), and real training on 2 gloo ranks."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from precision_annot import Policy, apply, bf16, fp16, fp32, precision, resolve
@@ -19,20 +16,9 @@ from precision_annot.adapters import fsdp
 from precision_annot.dtypes import dtype_name
 from precision_annot.plan import human_bytes
 from tests.adapters.distributed import check_training, run_ranks
-from tests.helpers import Recorder, free_port
+from tests.helpers import Recorder
 from tests.workers.dist import MERGE_BELOW
 from tests.workers.models import POLICY, Net
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_units_at_boundaries_storage_changes_and_selection() -> None:

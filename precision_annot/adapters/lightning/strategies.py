@@ -57,7 +57,9 @@ class LocalHooks:
         wrapped = getattr(strategy, "model", None)
         if plan is None or not isinstance(wrapped, DistributedDataParallel):
             return
-        if all(e.policy.comm is None for e in plan.values()):
+        from precision_annot.adapters.ddp import comm_hook, hooked_modules
+
+        if not hooked_modules(plan):  # every gradient reduces in its planned comm already
             return
         if getattr(strategy, "_ddp_comm_hook", None) is not None:
             device = strategy.root_device.type
@@ -69,8 +71,6 @@ class LocalHooks:
                     UserWarning, stacklevel=3,
                 )
             return
-        from precision_annot.adapters.ddp import comm_hook
-
         wrapped.register_comm_hook(None, comm_hook(plan))
 
     def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Steppable | None,
