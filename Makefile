@@ -38,4 +38,4 @@ docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .torch_extensions

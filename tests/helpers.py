@@ -47,6 +47,42 @@ def free_port() -> int:
 
 
 ROOT = Path(__file__).resolve().parent.parent
+# DeepSpeed JIT-compiles a communication op on first use (about 30 s here). Each clone builds it
+# in its own directory: torch's build lock is a bare file that a killed build leaves behind, and
+# a build that finds one waits for it forever, so a lock inherited from a shared cache would
+# hang every DeepSpeed launch.
+EXTENSIONS = ROOT / ".torch_extensions"
+STALE_LOCK_S = 600.0
+_op_build: list[str] = []  # "" once built, else the failure
+
+
+def deepspeed_op_built(timeout: float = 300) -> None:
+    """Build DeepSpeed's CPU communication op once per session, before any launch needs it, so a
+    failed or stuck build fails one step with its output instead of hanging every launch."""
+    if not _op_build:
+        import time
+
+        for lock in EXTENSIONS.glob("**/lock"):
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_S:  # left by a killed build
+                lock.unlink()
+        code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  timeout=timeout, env=_environment())
+            failure = "" if proc.returncode == 0 else proc.stdout[-2000:] + proc.stderr[-4000:]
+        except subprocess.TimeoutExpired:
+            failure = (f"building DeepSpeed's communication op in {EXTENSIONS} took over "
+                       f"{timeout:.0f} s; a lock file there may be held by another build")
+        _op_build.append(failure)
+    assert not _op_build[0], _op_build[0]
+
+
+def _environment(port: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(EXTENSIONS),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if port is not None:
+        env["MASTER_PORT"] = port
+    return env
 
 
 def launch(module: str, *args: str, ranks: int, timeout: float,
@@ -54,8 +90,7 @@ def launch(module: str, *args: str, ranks: int, timeout: float,
     """Run `python -m module args` once, or on `ranks` processes under torch.distributed.run,
     with the repository importable; fail the test with the output if it fails."""
     port = str(free_port())
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": port,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = _environment(port)
     if ranks == 1:
         cmd = [sys.executable, "-m", module, *args]
     else:

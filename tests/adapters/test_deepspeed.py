@@ -13,7 +13,7 @@ from torch import nn
 
 from precision_annot import Policy, bf16, fp16, fp32, precision, resolve
 from precision_annot.adapters import deepspeed as dsa
-from tests.helpers import launch
+from tests.helpers import deepspeed_op_built, launch
 from tests.workers.models import ScaledLinear, linear_elements, norm_elements
 
 pytest.importorskip("deepspeed")
@@ -204,6 +204,7 @@ LINEAR, NORM = linear_elements(16, 32, 4), norm_elements(32)
 
 
 def run(mode: str, stages: list[int], ranks: int, tmp_path: Path) -> dict[tuple[int, int], Any]:
+    deepspeed_op_built()
     launch("tests.workers.deepspeed", mode, ",".join(map(str, stages)), str(tmp_path),
            ranks=ranks, timeout=540)
     return {(s, r): json.loads((tmp_path / f"{mode}-stage{s}-rank{r}.json").read_text())

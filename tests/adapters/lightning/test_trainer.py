@@ -17,7 +17,7 @@ from precision_annot import bf16, fp16, fp32, resolve
 L = pytest.importorskip("lightning")
 from precision_annot.adapters.lightning import AnnotatedPrecision  # noqa: E402
 from tests.adapters.lightning.models import QUIET, Net, data, seen  # noqa: E402
-from tests.helpers import launch  # noqa: E402
+from tests.helpers import deepspeed_op_built, launch  # noqa: E402
 
 
 @pytest.mark.parametrize(("default", "low"), [("bf16-mixed", bf16), ("16-true", fp16)])
@@ -109,6 +109,8 @@ def test_explicit_plan_is_used() -> None:
 
 def run(strategy: str, tmp_path: Path) -> list[dict[str, Any]]:
     """Lightning's launcher starts the second process itself."""
+    if strategy == "deepspeed":
+        deepspeed_op_built()
     launch("tests.workers.lightning", strategy, str(tmp_path), ranks=1, timeout=300,
            cwd=tmp_path)
     return [json.loads((tmp_path / f"{strategy}-rank{r}.json").read_text()) for r in (0, 1)]
