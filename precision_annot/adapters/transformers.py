@@ -3,7 +3,8 @@ checkpoint round trip that keeps the islands exact.
 
 - `rules(model)` turns `_keep_in_fp32_modules` and `_keep_in_fp32_modules_strict` into
   `annotate` rules, matched the way transformers matches them when it loads a checkpoint: each
-  entry is a pattern (`*` is any text) searched in each parameter's full name.
+  entry is a pattern (`*` is any text) searched in each parameter's and buffer's full name.
+  A module is kept in fp32 when the tensors it holds match (see `HFKeepInFP32`).
 - `units(model)` turns `_no_split_modules` into the `units=` of `fsdp.fully_shard`.
 - `save_pretrained` writes the plan beside the checkpoint; `from_pretrained` loads the model,
   applies that plan, and reads every tensor the plan stores wider than it was loaded back from
@@ -21,6 +22,7 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,22 +44,47 @@ PLAN_FILE = "precision_plan.json"
 
 @dataclasses.dataclass(frozen=True)
 class HFKeepInFP32:
-    """A selector for `annotate`: the modules whose every parameter name matches one entry of
-    `_keep_in_fp32_modules`, as transformers matches it (`*` is any text, searched anywhere in
-    the parameter's full name)."""
+    """A selector for `annotate`: the modules that hold the tensors one entry of
+    `_keep_in_fp32_modules` names, as transformers matches it (`*` is any text, searched
+    anywhere in each parameter's or buffer's full name).
+
+    transformers keeps single tensors in fp32; a plan keeps whole modules. A module is selected
+    when every floating-point tensor in its subtree matches (T5's `wo` layers, BLIP-2's
+    `qformer`), or when it holds a matching tensor itself and its submodules hold none: then
+    its other tensors are kept in fp32 with it (DeepSeek-V3's router keeps its weight in fp32
+    beside its `e_score_correction_bias`). Wider than transformers, never narrower. A matching
+    tensor on a module whose submodules hold tensors of their own (RWKV's `time_decay`, BLIP-2's
+    `query_tokens`) selects nothing: `rules` warns about it.
+    """
 
     pattern: str
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_regex", re.compile(self.pattern.replace("*", ".*")))
 
-    def __call__(self, name: str, module: nn.Module) -> bool:
-        names = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+    def matches(self, tensor_name: str) -> bool:
+        """Whether transformers keeps the tensor of this full name in fp32."""
         regex: re.Pattern[str] = self._regex  # type: ignore[attr-defined]
-        return bool(names) and all(regex.search(n) for n in names)
+        return regex.search(tensor_name) is not None
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        direct = _tensor_names(name, module, recurse=False)
+        if any(map(self.matches, direct)) and not any(
+                _tensor_names("", child, recurse=True) for child in module.children()):
+            return True
+        subtree = _tensor_names(name, module, recurse=True)
+        return bool(subtree) and all(map(self.matches, subtree))
 
     def __repr__(self) -> str:
         return f"keep_in_fp32({self.pattern!r})"
+
+
+def _tensor_names(name: str, module: nn.Module, *, recurse: bool) -> list[str]:
+    """Full names of the floating-point parameters and buffers of `module` (and, with
+    `recurse`, of its subtree)."""
+    prefix = f"{name}." if name else ""
+    tensors = [*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)]
+    return [prefix + n for n, t in tensors if t.is_floating_point()]
 
 
 def rules(model: nn.Module, dtype: torch.dtype | str | None = None
@@ -72,8 +99,14 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
             (Default: None)
 
     Returns:
-        `[(selector, "fp32"), ...]`, for `annotate(model, rules(model))`. Empty when the model
-        lists nothing.
+        `[(selector, "fp32"), ...]`, for `annotate(model, rules(model))`: one per entry that
+        selects a module of this model (entries for parts this configuration does not build,
+        such as the experts of a dense variant, are left out). Empty when the model lists
+        nothing.
+
+    Warns:
+        UserWarning: when an entry names tensors that no module-level rule can keep in fp32
+            without also keeping submodules in fp32 (see `HFKeepInFP32`), naming the tensors.
 
     Example:
         >>> from precision_annot import annotate  # doctest: +SKIP
@@ -84,7 +117,29 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
     if low is None or low == fp16:
         patterns += sorted(getattr(model, "_keep_in_fp32_modules", None) or [])
     patterns += sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
-    return [(HFKeepInFP32(p), "fp32") for p in dict.fromkeys(patterns)]
+    modules = list(model.named_modules())
+    selectors = [HFKeepInFP32(p) for p in dict.fromkeys(patterns)]
+    chosen: list[tuple[HFKeepInFP32, str]] = []
+    kept: list[str] = []
+    for selector in selectors:
+        selected = [n for n, m in modules if selector(n, m)]
+        if selected:
+            chosen.append((selector, "fp32"))
+            kept += selected
+    missed = [t for n, m in modules for t in _tensor_names(n, m, recurse=False)
+              if any(s.matches(t) for s in selectors)
+              and not any(k == "" or t.startswith(k + ".") for k in kept)]
+    if missed:
+        owners = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", parent_name(t)) for t in missed} - {""})
+        fix = (f" To keep them in fp32, annotate their modules fp32, submodules included, e.g. "
+               f"annotate(model, {{{owners[0]!r}: 'fp32'}}).") if owners else ""
+        warnings.warn(
+            f"rules: transformers keeps {len(missed)} tensor(s) of this model in fp32 that no "
+            f"module rule can keep alone, because their modules have submodules with tensors of "
+            f"their own: {', '.join(repr(t) for t in missed[:6])}"
+            f"{', ...' if len(missed) > 6 else ''}. They follow their module's storage "
+            f"dtype.{fix}", UserWarning, stacklevel=2)
+    return chosen
 
 
 def units(model: nn.Module) -> list[type[nn.Module]]:

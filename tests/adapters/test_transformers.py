@@ -176,6 +176,81 @@ def test_t5_rules_pick_the_wo_layers_as_hugging_faces_own_fp16_loading_does(
     assert native_fp32 == selected
 
 
+def deepseek_v3(dense_layers: int = 1) -> nn.Module:
+    """Two layers, the first `dense_layers` of them dense, the rest mixtures of experts whose
+    routers hold the `e_score_correction_bias` buffer the class keeps in fp32."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=dense_layers, n_group=1,
+        topk_group=1, max_position_embeddings=64)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def rwkv() -> nn.Module:
+    cfg = transformers.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  attention_hidden_size=32, intermediate_size=64,
+                                  context_length=64)
+    return transformers.RwkvForCausalLM(cfg)
+
+
+def fp32_tensors(model: nn.Module) -> set[str]:
+    return {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype == fp32}
+
+
+def natively_fp32(model: nn.Module, low: torch.dtype, tmp_path: Path) -> set[str]:
+    """The tensors transformers' own `from_pretrained(dtype=low)` keeps in fp32."""
+    model.save_pretrained(tmp_path)
+    return fp32_tensors(type(model).from_pretrained(tmp_path, dtype=low))
+
+
+def test_a_kept_buffer_keeps_its_module_in_fp32_as_transformers_keeps_the_buffer(
+        tmp_path: Path) -> None:
+    """DeepSeek-V3 keeps its routers' `e_score_correction_bias` (a buffer) in fp32. No module's
+    parameters all match that name, so a parameters-only match selected nothing and the bias
+    was rounded to bf16; the router, whose submodules hold nothing, is now an fp32 island."""
+    torch.manual_seed(0)
+    model = deepseek_v3()
+    native = natively_fp32(model, bf16, tmp_path)
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in native
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every kept tensor is expressible here: no warning
+        selected = hf.rules(model, dtype="bf16")
+    annotate(model, selected)
+    apply(model, default="bf16")
+    ours = fp32_tensors(model)
+    assert native <= ours
+    assert ours - native == {"model.layers.1.mlp.gate.weight"}  # the router's own weight
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with audit(model) as report:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert report.divergences == []
+    assert set(report["model.layers.1.mlp.gate"].forward_ops) == {fp32}
+
+
+def test_entries_for_parts_a_configuration_does_not_build_give_no_rule() -> None:
+    model = deepseek_v3(dense_layers=2)  # no mixture-of-experts layer, so no router
+    assert hf.rules(model, dtype="bf16") == []
+    annotate(model, hf.rules(model))  # strict: would raise on a rule that matches nothing
+
+
+def test_kept_tensors_beside_submodules_are_named_in_a_warning(tmp_path: Path) -> None:
+    """RWKV keeps `time_decay` and `time_first` in fp32 for fp16; they sit on the attention
+    module beside its key, value and receptance layers, which a module plan cannot split."""
+    model = rwkv()
+    with pytest.warns(UserWarning, match=r"4 tensor\(s\).*'rwkv\.blocks\.0\.attention\."
+                      r"time_decay'.*annotate\(model, \{'rwkv\.blocks\.\*\.attention': "
+                      r"'fp32'\}\)"):
+        assert hf.rules(model, dtype="fp16") == []
+    native = natively_fp32(model, fp16, tmp_path)
+    assert {n.rpartition(".")[2] for n in native} == {"time_decay", "time_first"}
+    annotate(model, {"rwkv.blocks.*.attention": "fp32"})  # the warning's fix
+    apply(model, default="fp16")
+    assert native <= fp32_tensors(model)
+    assert model.rwkv.blocks[0].feed_forward.key.weight.dtype == fp16
+
+
 def test_units_are_the_no_split_blocks() -> None:
     model = llama()
     assert [c.__name__ for c in hf.units(model)] == ["LlamaDecoderLayer"]
