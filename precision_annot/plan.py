@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -209,6 +210,30 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         self._refs: dict[str, weakref.ref[nn.Module]] = {
             name: weakref.ref(m) for name, m in (modules or {}).items()
         }
+
+    # -- copies: the weak references follow the model, or are dropped -----------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> PrecisionPlan:
+        """A copy whose modules are the copies made by the same deepcopy (of the model that
+        holds this plan), else the same modules."""
+        new = object.__new__(PrecisionPlan)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_refs":
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        refs = {n: r() for n, r in self._refs.items()}
+        new._refs = {n: weakref.ref(memo.get(id(m), m)) for n, m in refs.items() if m is not None}
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its model: a weak reference cannot be pickled, and pickling the
+        modules themselves would put a whole model into every pickled plan. `applied_plan`
+        binds an unpickled model's plan to that model again."""
+        return {**self.__dict__, "_refs": {}}
+
+    def bound_to(self, named: Mapping[str, nn.Module]) -> PrecisionPlan:
+        """The same plan, holding these modules (`dict(model.named_modules())`) by name."""
+        return PrecisionPlan(self._entries, default=self.default, model_type=self.model_type,
+                             modules=named)
 
     def _running_ancestor(self, name: str) -> str | None:
         while name:

@@ -24,6 +24,7 @@ from precision_annot.boundary import (
     Region,
     keep_binding,
 )
+from precision_annot.dtypes import dtype_name, wider
 from precision_annot.guards import require_module, require_plan
 from precision_annot.plan import ModulePlan, PrecisionPlan, nearest
 from precision_annot.policy import SpecLike, autocast_mode
@@ -137,7 +138,13 @@ def installed_boundaries(model: nn.Module) -> list[str]:
 def applied_plan(model: nn.Module) -> PrecisionPlan | None:
     """The plan `apply` last made real on `model`, or None."""
     state: AppliedState | None = model.__dict__.get(_STATE_ATTR)
-    return None if state is None else state.plan
+    if state is None:
+        return None
+    if state.plan.module("") is not model:  # a copy or an unpickled model: bind to this one
+        named = dict(model.named_modules())
+        if all(n in named for n in state.plan):
+            state.plan = state.plan.bound_to(named)
+    return state.plan
 
 
 # -- the target state -----------------------------------------------------------------------------
@@ -361,6 +368,25 @@ def _set_dtype(module: nn.Module, kind: str, name: str, tensor: torch.Tensor,
         module._buffers[name] = value
 
 
+def _warn_rounded_again(originals: dict[Key, torch.dtype],
+                        prepared: list[tuple[Key, nn.Module, torch.Tensor, torch.Tensor]]) -> None:
+    """A tensor stored narrower than it was before the first apply (by an earlier plan, or a
+    `model.half()` since), cast to another dtype now, is cast from its narrowed values: the new
+    dtype does not bring back the bits dropped before."""
+    rounded = [(key, tensor.dtype, value.dtype) for key, _, tensor, value in prepared
+               if key in originals and wider(originals[key], tensor.dtype)]
+    if not rounded:
+        return
+    (name, _, tname), now, target = rounded[0]
+    first = f"{name}.{tname}" if name else tname
+    warnings.warn(
+        f"apply: {len(rounded)} tensor(s) stored narrower than before the first apply "
+        f"({dtype_name(originals[rounded[0][0]])}) are cast from their current values (e.g. "
+        f"{first!r}: {dtype_name(now)} -> {dtype_name(target)}), so they keep the rounding of "
+        f"{dtype_name(now)}. To start from the full values, remove(model), load the original "
+        "weights again (model.load_state_dict), then apply.", UserWarning, stacklevel=3)
+
+
 def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
     """Originals recorded by earlier applies on this model or its submodules, as this model's
     names; their states are dropped, since this apply now owns the tree."""
@@ -446,6 +472,7 @@ def apply(
                 layout.casts]
 
     originals = _absorb_nested(model)
+    _warn_rounded_again(originals, prepared)
     for key, dtype in layout.current.items():  # kept from the first apply, if there was one
         originals.setdefault(key, dtype)
     _strip(model)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import io
+import pickle
+import warnings
 from typing import Any
 
 import pytest
@@ -22,7 +25,7 @@ from precision_annot import (
     remove,
     resolve,
 )
-from precision_annot.runtime import installed_boundaries
+from precision_annot.runtime import applied_plan, installed_boundaries
 from tests.helpers import Recorder, island_model
 
 
@@ -66,7 +69,9 @@ def test_apply_with_a_changed_plan_reapplies() -> None:
     model, _, g, _ = island_model()
     apply(model, default="bf16")
     precision(fp16)(model[0])
-    apply(model, default="bf16")
+    with pytest.warns(UserWarning, match=r"2 tensor\(s\) stored narrower than before the first "
+                      r"apply \(fp32\).*'0\.inner\.weight': bf16 -> fp16.*rounding of bf16"):
+        apply(model, default="bf16")
     assert model[0].inner.weight.dtype == fp16
     model(torch.randn(2, 8))
     assert model[0].seen[-1] == fp16 and g.seen[-1] == fp32
@@ -92,6 +97,35 @@ def test_applied_model_survives_deepcopy() -> None:
     clone = copy.deepcopy(model)
     clone(torch.randn(2, 8))
     assert clone[1].seen == [fp32] and model[1].seen == []
+
+
+def test_a_copied_models_plan_holds_the_copys_modules() -> None:
+    """deepcopy copied the plan's weak references as they were: the copy's plan named the
+    original's modules, so an adapter given it (a DDP hook, FSDP units) saw the wrong
+    parameters."""
+    model, *_ = island_model()
+    apply(model, default="bf16")
+    clone = copy.deepcopy(model)
+    plan = applied_plan(clone)
+    assert plan is not None and plan.module("0") is clone[0] and plan.module("") is clone
+    assert {id(p) for _, p, _ in plan.param_policies()} == {id(p) for p in clone.parameters()}
+    assert applied_plan(model).module("0") is model[0]  # type: ignore[union-attr]
+
+
+def test_an_applied_model_pickles_and_its_plan_binds_to_the_loaded_model() -> None:
+    """torch.save(model) raised "cannot pickle 'weakref.ReferenceType' object"."""
+    model, *_ = island_model()
+    apply(model, default="bf16")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    x = torch.randn(2, 8)
+    assert torch.equal(loaded(x), model(x))
+    assert loaded[1].seen[-1] == fp32 and loaded[0].seen[-1] == bf16
+    plan = applied_plan(loaded)
+    assert plan is not None and plan.module("1") is loaded[1] and plan == applied_plan(model)
+    alone = pickle.loads(pickle.dumps(applied_plan(model)))  # a plan pickles without its model
+    assert alone == plan and not alone.has_model
 
 
 def test_print_shows_each_module_precision_until_removed() -> None:
@@ -175,7 +209,12 @@ def test_apply_again_restores_the_plan_after_dtypes_drift(drift: str) -> None:
     else:
         model.load_state_dict(state, assign=True)  # fp32 tensors replace the parameters
     assert model[0].weight.dtype != bf16
-    apply(model, plan)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply(model, plan)
+    # after half(), the fp16 values are what is left of the fp32 ones: said, once
+    assert ["stored narrower than before the first apply" in str(w.message) for w in seen] == (
+        [True] if drift == "half" else [])
     assert model[0].weight.dtype == bf16 and model[2].bias.dtype == bf16
     assert model[1].inner.weight.dtype == fp32
     assert model(torch.randn(2, 4)).dtype == bf16
