@@ -263,8 +263,9 @@ def _mutable(obj: Any) -> bool:
 
 
 def relative_error(actual: Any, expected: Any) -> float:
-    """||actual - expected|| / ||expected|| over every floating tensor, in float64; inf when
-    `actual` holds a non-finite value."""
+    """||actual - expected|| / ||expected|| over every floating tensor, in float64, where
+    `expected` is finite; inf when `actual` holds a non-finite value `expected` does not hold
+    at the same place (a masked -inf in both is the same result)."""
     got: list[torch.Tensor] = []
     want: list[torch.Tensor] = []
     floating_leaves(actual, got)
@@ -276,6 +277,12 @@ def relative_error(actual: Any, expected: Any) -> float:
         a64, b64 = a.detach().double(), b.detach().double()
         if a64.shape != b64.shape:
             return math.nan
+        finite = torch.isfinite(b64)
+        if not bool(finite.all()):
+            same = (a64 == b64) | (a64.isnan() & b64.isnan())
+            if not bool(same[~finite].all()):
+                return math.inf
+            a64, b64 = a64[finite], b64[finite]
         if not bool(torch.isfinite(a64).all()):
             return math.inf
         diff += float((a64 - b64).pow(2).sum())
@@ -352,6 +359,31 @@ class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
+def _require_real_data(model: nn.Module, sample: Any) -> None:
+    leaves: list[torch.Tensor] = []
+    floating_leaves(sample, leaves)
+    tensors = [*model.parameters(), *model.buffers(), *leaves]
+    if any(t.is_meta for t in tensors):
+        raise ValueError("suggest runs the model and compares numbers: its parameters and the "
+                         "sample must hold data, and some are on the meta device. Materialize "
+                         "the model (model.to_empty(device=...) and load its weights) first.")
+
+
+def _require_finite_reference(ref: _Reference) -> None:
+    """Every plan is compared with the fp32 run: it must be finite, and the loss a scalar."""
+    leaves: list[torch.Tensor] = []
+    floating_leaves(ref.output, leaves)  # inf may be meant (masked logits); nan is not
+    bad = [t for t in leaves if bool(torch.isnan(t).any())]
+    if ref.loss is not None and not bool(torch.isfinite(ref.loss).all()):
+        bad.append(ref.loss)
+    if bad:
+        raise ValueError(
+            f"suggest: the model's fp32 run on this sample is not finite "
+            f"({'the loss is' if bad[-1] is ref.loss else 'its output holds nan'}). Every "
+            "candidate plan is measured against that run, so suggest needs a sample the model "
+            "handles in fp32: check the sample for nan or inf values.")
+
+
 def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                loss_fn: Callable[[Any], torch.Tensor] | None) -> _Reference:
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
@@ -374,11 +406,24 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         output = model(*args, **kwargs)
         loss = loss_fn(output) if loss_fn is not None else None
         if loss is not None:
+            if not (isinstance(loss, torch.Tensor) and loss.is_floating_point()
+                    and loss.numel() == 1 and loss.requires_grad):
+                raise TypeError(
+                    "suggest(loss_fn=...) must return a one-element floating tensor computed "
+                    "from the output, so that its backward reaches the parameters. Received: "
+                    f"{_describe(loss)}.")
             loss.backward()  # type: ignore[no-untyped-call]
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
     return _Reference(_detached(output), None if loss is None else loss.detach(), grads,
                       inputs, outputs, mode.peaks, mode.backward_peak, mode.counts)
+
+
+def _describe(value: Any) -> str:
+    if not isinstance(value, torch.Tensor):
+        return f"{value!r} (of type {type(value).__name__})"
+    return (f"a tensor of shape {tuple(value.shape)}, dtype {value.dtype}, "
+            f"requires_grad={value.requires_grad}")
 
 
 def _uniform(structure: PrecisionPlan, policy: Policy) -> PrecisionPlan:
@@ -522,9 +567,12 @@ def _choose(table: list[Sensitivity], structure: PrecisionPlan, check: Callable[
                      "the loss in fp32 (output.float())")
         elif culprit is not None:
             # a value that overflows on leaving an island needs the island's caller too
-            target = runs_above(culprit) if culprit and covered(culprit, islands) else culprit
-            where = ("a non-finite value arises in the model's own code (the root), which "
-                     "cannot be an island")
+            leaving = bool(culprit) and covered(culprit, islands)
+            target = runs_above(culprit) if leaving else culprit
+            where = (f"the output of the fp32 island {culprit!r} does not fit the low dtype "
+                     "when it is handed back to its caller, the root, which cannot be an island"
+                     if leaving else "a non-finite value arises in the model's own code (the "
+                     "root), which cannot be an island")
         else:
             target = next((n for n in order if not covered(n, islands)), None)
             where = "every measured module is in fp32 already"
@@ -660,11 +708,20 @@ def suggest(
     bar = _Progress(show)
     start = time.perf_counter()
     args, kwargs = as_call(sample)
+    _require_real_data(model, (args, kwargs))
     reference = _fp32_copy(model)
     structure = resolve(reference)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), loss_fn)
+        try:
+            ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), loss_fn)
+        except TypeError as e:
+            if not (isinstance(sample, tuple) and (len(args), len(kwargs)) == (1, 0)):
+                raise
+            raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
+                            "passed as one argument; for several positional arguments pass "
+                            "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
+        _require_finite_reference(ref)
         scale = 1.0
         if low_dtype == fp16 and ref.backward_peak > 0:
             scale = 2.0 ** max(0, min(24, math.floor(math.log2(65504 / ref.backward_peak))))

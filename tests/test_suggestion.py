@@ -197,6 +197,46 @@ def test_bad_input() -> None:
         suggest("model", sample())  # type: ignore[arg-type]
 
 
+def test_samples_and_losses_it_cannot_measure_against_are_named() -> None:
+    """Each raised deep inside torch, or was reported as an overflow in loss_fn."""
+    model = nn.Linear(8, 2)
+    with pytest.raises(ValueError, match=r"fp32 run on this sample is not finite \(its output "
+                       r"holds nan\)"):
+        suggest(model, torch.full((4, 8), float("nan")))
+    with pytest.raises(TypeError, match=r"loss_fn=.*one-element floating tensor.*shape \(32, 2\)"):
+        suggest(model, sample(), loss_fn=lambda out: out)
+    with pytest.raises(TypeError, match=r"loss_fn=.*dtype torch\.int64, requires_grad=False"):
+        suggest(model, sample(), loss_fn=lambda out: out.argmax())
+    with pytest.raises(TypeError, match=r"tuple sample is passed as one argument.*\(\(x1, x2\), "
+                       r"\{\}\)"):
+        suggest(nn.Bilinear(8, 8, 2), (sample(), sample()))
+    assert suggest(nn.Bilinear(8, 8, 2), ((sample(), sample()), {})).met
+    with pytest.raises(ValueError, match="meta device"):
+        suggest(nn.Linear(8, 2, device="meta"), torch.empty(4, 8, device="meta"))
+
+
+def test_masked_outputs_of_minus_inf_are_a_valid_reference() -> None:
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).masked_fill(torch.tensor([False, True, False, True]), -math.inf)
+
+    assert suggest(Masked(), sample(), low="bf16").met
+
+
+def test_an_island_whose_output_overflows_its_caller_is_named() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with torch.no_grad():
+        model[0].weight.fill_(1e3)
+    with pytest.warns(UserWarning, match=r"output of the fp32 island '0' does not fit the low "
+                      r"dtype when it is handed back to its caller, the root"):
+        found = suggest(model, torch.full((4, 8), 1e2), low="fp16")
+    assert not found.met
+
+
 def test_mixed_low_keeps_fp32_master_weights() -> None:
     torch.manual_seed(0)
     found = suggest(Net(FeedForward()), sample(), low="16-mixed", loss_fn=mse)
