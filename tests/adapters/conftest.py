@@ -3,6 +3,7 @@ environment it sets is restored by tests/conftest.py)."""
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -20,4 +21,5 @@ def group() -> Iterator[None]:
     try:
         yield
     finally:
+        gc.collect()  # a DDP or FSDP wrapper left in a reference cycle goes before its group
         dist.destroy_process_group()
