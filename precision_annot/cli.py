@@ -177,7 +177,11 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> Any:
     """--config: DeepSpeed reads its file itself (JSON or hjson); the others take a JSON dict."""
-    if args.config is None or args.backend == "deepspeed":
+    if args.config is None:
+        return None
+    if not Path(args.config).is_file():
+        raise CLIError(f"--config: no file at {args.config!r}.")
+    if args.backend == "deepspeed":
         return args.config
     try:
         return json.loads(Path(args.config).read_text())

@@ -223,6 +223,9 @@ def test_check_exit_status_gates_on_errors(tmp_path: Path,
     assert main(["check", target, "--backend", "fsdp", "--config", trainer]) == 2
     assert "unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth']" in (
         capsys.readouterr().err)
+    for backend in ("deepspeed", "lightning"):  # a missing file is bad input, not a finding
+        assert main(["check", target, "--backend", backend, "--config", "gone.json"]) == 2
+        assert "--config: no file at 'gone.json'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exited:  # argparse names the valid choices
         main(["check", target, "--backend", "horovod"])
     assert exited.value.code == 2
