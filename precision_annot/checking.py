@@ -100,6 +100,7 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         plan = applied_plan(model) or resolve(model)
     elif isinstance(model_or_plan, PrecisionPlan):
         plan = model_or_plan
+        model = plan.module("") if plan.has_model else None  # resolved from a live model
     else:
         raise TypeError(
             "check: model_or_plan must be an nn.Module or a PrecisionPlan. "
@@ -114,8 +115,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         from precision_annot.adapters import fsdp
 
         if options and "units" in options and model is None:
-            raise ValueError("check: config 'units' selects modules, so it needs the model; "
-                             "pass the model instead of its plan.")
+            raise ValueError("check: config 'units' selects modules, so it needs the model, and "
+                             "this plan holds none (it was loaded from JSON, or its model is "
+                             "gone); pass the model instead of its plan.")
         found += fsdp.findings(plan, backend, model=model, **(options or {}))
     elif backend == "ddp":
         from precision_annot.adapters import ddp

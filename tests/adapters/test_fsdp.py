@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_annot import Policy, apply, bf16, fp16, fp32, precision, resolve
+from precision_annot import Policy, PrecisionPlan, apply, bf16, fp16, fp32, precision, resolve
 from precision_annot.adapters import fsdp
 from precision_annot.dtypes import dtype_name
 from precision_annot.plan import human_bytes
@@ -231,8 +231,12 @@ def test_check_counts_the_units_selected_as_fully_shard_would() -> None:
     assert small.message.startswith("5 of 10 FSDP units") and "(30 collectives" in small.message
     assert "15 fewer collectives" in small.fix and small.fix.startswith("Let small islands")
     assert check(model, "fsdp", {"units": [Block], "merge_below": 0.01}) == []
-    with pytest.raises(ValueError, match="'units' selects modules, so it needs the model"):
-        check(resolve(model, default="bf16-mixed"), "fsdp", {"units": [Block]})
+    # a plan resolved from the model finds the units in it; one loaded from JSON cannot
+    resolved = resolve(model, default="bf16-mixed")
+    assert check(resolved, "fsdp", {"units": [Block]}) == [small]
+    with pytest.raises(ValueError, match="'units' selects modules, so it needs the model, and "
+                       "this plan holds none"):
+        check(PrecisionPlan.from_json(resolved.to_json()), "fsdp", {"units": [Block]})
     # when bytes cost more than the latency saved, the fix says to keep the units
     (slow,) = check(model, "fsdp", {"units": [Block], "bandwidth": 1e6})
     assert slow.fix.startswith("Keep them:") and "slower at these constants" in slow.fix
