@@ -229,6 +229,21 @@ def test_a_kept_buffer_keeps_its_module_in_fp32_as_transformers_keeps_the_buffer
     assert set(report["model.layers.1.mlp.gate"].forward_ops) == {fp32}
 
 
+def test_from_pretrained_reads_a_kept_buffers_module_back_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = deepseek_v3()
+    router = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        router.e_score_correction_bias.uniform_(-1e-3, 1e-3)  # values bf16 cannot hold
+        router.weight.normal_()
+    model.save_pretrained(tmp_path)  # no plan file: from_pretrained reads the class's list
+    back = hf.from_pretrained(type(model), tmp_path, dtype=bf16)
+    loaded = back.model.layers[1].mlp.gate
+    assert torch.equal(loaded.e_score_correction_bias, router.e_score_correction_bias)
+    assert torch.equal(loaded.weight, router.weight)
+    assert back.model.layers[0].mlp.up_proj.weight.dtype == bf16
+
+
 def test_entries_for_parts_a_configuration_does_not_build_give_no_rule() -> None:
     model = deepseek_v3(dense_layers=2)  # no mixture-of-experts layer, so no router
     assert hf.rules(model, dtype="bf16") == []
