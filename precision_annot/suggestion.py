@@ -370,18 +370,20 @@ def _require_real_data(model: nn.Module, sample: Any) -> None:
 
 
 def _require_finite_reference(ref: _Reference) -> None:
-    """Every plan is compared with the fp32 run: it must be finite, and the loss a scalar."""
+    """Every plan is compared with the fp32 run, so that run must not give nan (an output of
+    inf may be meant: masked logits) nor a non-finite loss."""
     leaves: list[torch.Tensor] = []
-    floating_leaves(ref.output, leaves)  # inf may be meant (masked logits); nan is not
-    bad = [t for t in leaves if bool(torch.isnan(t).any())]
+    floating_leaves(ref.output, leaves)
     if ref.loss is not None and not bool(torch.isfinite(ref.loss).all()):
-        bad.append(ref.loss)
-    if bad:
-        raise ValueError(
-            f"suggest: the model's fp32 run on this sample is not finite "
-            f"({'the loss is' if bad[-1] is ref.loss else 'its output holds nan'}). Every "
-            "candidate plan is measured against that run, so suggest needs a sample the model "
-            "handles in fp32: check the sample for nan or inf values.")
+        what = "the loss is"
+    elif any(bool(torch.isnan(t).any()) for t in leaves):
+        what = "its output holds nan"
+    else:
+        return
+    raise ValueError(
+        f"suggest: the model's fp32 run on this sample is not finite ({what}). Every candidate "
+        "plan is measured against that run, so suggest needs a sample the model handles in "
+        "fp32: check the sample for nan or inf values.")
 
 
 def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -403,7 +405,14 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     tracker = ModuleTracker(names, enter, leave)
     mode = _Watch(tracker, peaks=True)
     with tracker, mode:
-        output = model(*args, **kwargs)
+        try:
+            output = model(*args, **kwargs)
+        except TypeError as e:
+            if not (len(args) == 1 and isinstance(args[0], tuple) and not kwargs):
+                raise
+            raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
+                            "passed as one argument; for several positional arguments pass "
+                            "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
         loss = loss_fn(output) if loss_fn is not None else None
         if loss is not None:
             if not (isinstance(loss, torch.Tensor) and loss.is_floating_point()
@@ -713,14 +722,7 @@ def suggest(
     structure = resolve(reference)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        try:
-            ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), loss_fn)
-        except TypeError as e:
-            if not (isinstance(sample, tuple) and (len(args), len(kwargs)) == (1, 0)):
-                raise
-            raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
-                            "passed as one argument; for several positional arguments pass "
-                            "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
+        ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), loss_fn)
         _require_finite_reference(ref)
         scale = 1.0
         if low_dtype == fp16 and ref.backward_peak > 0:

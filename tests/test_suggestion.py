@@ -211,6 +211,16 @@ def test_samples_and_losses_it_cannot_measure_against_are_named() -> None:
                        r"\{\}\)"):
         suggest(nn.Bilinear(8, 8, 2), (sample(), sample()))
     assert suggest(nn.Bilinear(8, 8, 2), ((sample(), sample()), {})).met
+    class FirstOfPair(nn.Module):  # takes a tuple: a bad loss_fn is not blamed on the sample
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return self.lin(pair[0])
+
+    with pytest.raises(TypeError, match=r"^suggest\(loss_fn=\.\.\.\)"):
+        suggest(FirstOfPair(), (sample(), sample()), loss_fn=lambda out: out)
     with pytest.raises(ValueError, match="meta device"):
         suggest(nn.Linear(8, 2, device="meta"), torch.empty(4, 8, device="meta"))
 
