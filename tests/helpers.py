@@ -104,9 +104,9 @@ def launch(module: str, *args: str, ranks: int, timeout: float,
 def run_processes(cmd: list[str], *, timeout: float, **kwargs: Any) -> Any:
     """Run a launch; retry once only if it died by a signal, never after a Python error.
 
-    Seen about once in a dozen full runs: a rank of a 2-rank gloo launch aborting (SIGABRT,
-    "terminate called without an active exception") within two seconds of its start, before
-    any test code runs. torch.distributed.run reports each failed rank's exit code; a rank that
+    Seen in 2-rank DeepSpeed launches: a rank aborting (SIGABRT, "terminate called without an
+    active exception") at interpreter exit, in native teardown (the DeepSpeed worker now skips
+    that teardown). torch.distributed.run reports each failed rank's exit code; a rank that
     raised exits with 1, so only launches whose every failed rank died by a signal retry.
     """
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
