@@ -23,6 +23,7 @@ from torch import nn
 from precision_annot import resolve
 from precision_annot.adapters import deepspeed as ds_adapter
 from precision_annot.dtypes import dtype_name
+from tests.workers import leave
 from tests.workers.collectives import recording
 from tests.workers.models import Net
 
@@ -126,15 +127,7 @@ def main() -> None:
     for stage in stages:
         result = run_stage(mode, stage, rank)
         (outdir / f"{mode}-stage{stage}-rank{rank}.json").write_text(json.dumps(result))
-    # About one run in 90 here, a rank that had written its results aborted at interpreter
-    # exit ("terminate called without an active exception", no Python frame left): a native
-    # thread still joinable during static destruction. Close the group, then leave without
-    # running those destructors.
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

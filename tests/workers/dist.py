@@ -22,6 +22,7 @@ from precision_annot.adapters import ddp as ddp_adapter
 from precision_annot.adapters import fsdp as fsdp_adapter
 from precision_annot.adapters.fsdp import plan_name
 from precision_annot.dtypes import dtype_name
+from tests.workers import leave
 from tests.workers.collectives import recording
 from tests.workers.models import POLICY, Net
 
@@ -193,8 +194,7 @@ def main() -> None:
     if mode == "fsdp2":
         result["merged"] = merged(rank, MERGE_BELOW)
     (outdir / f"rank{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from precision_annot.adapters import fsdp
 from precision_annot.adapters.fsdp import plan_name
 from precision_annot.adapters.lightning import AnnotatedFSDPPrecision, AnnotatedPrecision
 from precision_annot.dtypes import dtype_name
+from tests.workers import leave
 from tests.workers.collectives import recording
 from tests.workers.models import POLICY, Net
 
@@ -157,6 +158,7 @@ def main() -> None:
         "config": {k: v for k, v in trainer.strategy.config.items() if k in
                    ("bf16", "fp16", "torch_autocast")} if name == "deepspeed" else {},
     }))
+    leave()
 
 
 if __name__ == "__main__":
