@@ -25,12 +25,13 @@ from torch.utils.hooks import RemovableHandle
 from precision_annot.boundary import device_type_of
 from precision_annot.casting import floating_leaves
 from precision_annot.dtypes import dtype_name, wider
+from precision_annot.execution import Execution, Kind, Site, compile_plan
 from precision_annot.guards import require_module, require_plan
 from precision_annot.plan import ModulePlan, PrecisionPlan, format_table
-from precision_annot.policy import autocast_mode
-from precision_annot.resolution import resolve
-from precision_annot.runtime import applied_plan, check_matches, find_boundary
+from precision_annot.policy import Policy, autocast_mode
+from precision_annot.runtime import check_matches, find_boundary, plan_of
 from precision_annot.tracking import DATA_MOVEMENT, ModuleTracker
+from precision_annot.wrappers import unwrap
 
 __all__ = ["AuditReport", "Divergence", "ModuleRecord", "audit"]
 
@@ -52,8 +53,9 @@ class ModuleRecord:
         autocast: the autocast states its own code ran under, as (enabled, dtype) pairs.
         inputs: dtypes of the floating tensors it was called with (before any boundary cast).
         outputs: dtypes of the floating tensors it handed back.
-        tensors: its own parameters and floating buffers, by name, with their dtypes.
+        tensors: its own parameters and floating buffers, by name: ("param" or "buffer", dtype).
         grads: dtypes of the gradients its parameters received, by name.
+        region: for a function-form region's row (`module::function`), its policy.
     """
 
     name: str
@@ -65,8 +67,9 @@ class ModuleRecord:
     inputs: set[torch.dtype] = dataclasses.field(default_factory=set)
     first_inputs: set[torch.dtype] = dataclasses.field(default_factory=set)
     outputs: set[torch.dtype] = dataclasses.field(default_factory=set)
-    tensors: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    tensors: dict[str, tuple[Kind, torch.dtype]] = dataclasses.field(default_factory=dict)
     grads: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
+    region: Policy | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,18 +109,54 @@ def _autocast_text(states: set[tuple[bool, torch.dtype | None]]) -> str:
     return ",".join(sorted(dtype_name(d) if on else "off" for on, d in states))
 
 
-def exit_dtype(plan: PrecisionPlan, name: str) -> tuple[torch.dtype | None, bool]:
-    """The dtype a boundary hands its outputs back in (runtime rule 4), or (None, True) for
-    "the dtype of its first floating input", or (None, False) for "left as computed"."""
-    entry = plan[name]
-    if entry.policy.output is not None:
-        return entry.policy.output, False
-    context = plan.context(name)
-    if context is None:
-        return None, False
-    if context.policy.compute is not None:
-        return context.policy.compute, False
-    return None, entry.policy.compute is not None
+def _compute(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
+    """Ops of the module's own code narrower than its compute dtype."""
+    compute = policy.compute
+    if compute is None:
+        return
+    for phase, ops in (("forward", record.forward_ops), ("backward", record.backward_ops)):
+        low = {d for d in ops if d != compute and not wider(d, compute)}
+        if low:
+            yield Divergence(name, "compute", dtype_name(compute),
+                             _dtypes(Counter({d: ops[d] for d in low})), phase)  # type: ignore[arg-type]
+
+
+def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
+    """Rule 3: the autocast state the module's own code ran under."""
+    mode = autocast_mode(policy)
+    if mode == "autocast":
+        wrong = {s for s in record.autocast if s != (True, policy.compute)}
+    elif mode == "off":
+        wrong = {s for s in record.autocast if s[0]}
+    else:
+        return
+    if wrong:
+        planned = dtype_name(policy.compute) if mode == "autocast" else "off"
+        yield Divergence(name, "autocast", planned, _autocast_text(wrong), "forward")
+
+
+def _output(entry: ModulePlan, record: ModuleRecord, site: Site | None
+            ) -> Iterator[Divergence]:
+    """Rule 4: a boundary's outputs leave in the dtype its spec says."""
+    if not entry.boundary or site is None or site.guard or not record.calls or (
+            not record.outputs):
+        return
+    first = next(iter(record.first_inputs)) if len(record.first_inputs) == 1 else None
+    if site.spec.exit_to_input and first is None:
+        return
+    target = site.spec.target(first)
+    if target is not None and record.outputs != {target}:
+        yield Divergence(entry.name, "output", dtype_name(target), _dtypes(record.outputs),
+                         "forward")
+
+
+def _region_diverges(record: ModuleRecord) -> Iterator[Divergence]:
+    """A function-form region: its ops in its compute dtype, with autocast off."""
+    policy = record.region
+    assert policy is not None
+    yield from _compute(record.name, policy, record)
+    yield from _autocast(record.name, Policy(compute=policy.compute, storage=policy.compute),
+                         record)
 
 
 class AuditReport:
@@ -127,9 +166,10 @@ class AuditReport:
     real; `str(report)` is a table with one row per module that ran or holds tensors.
     """
 
-    def __init__(self, plan: PrecisionPlan, records: dict[str, ModuleRecord],
-                 installed: dict[str, bool]) -> None:
+    def __init__(self, plan: PrecisionPlan, execution: Execution,
+                 records: dict[str, ModuleRecord], installed: dict[str, bool]) -> None:
         self.plan = plan
+        self.execution = execution
         self.records = records
         self._installed = installed
 
@@ -141,54 +181,39 @@ class AuditReport:
         """Every difference between what ran and the plan, in module order."""
         out: list[Divergence] = []
         for name, record in self.records.items():
-            if name in self.plan:
-                out.extend(self._diverges(self.plan[name], record))
+            if record.region is not None:
+                out.extend(_region_diverges(record))
+            elif name in self.plan:
+                entry = self.plan[name]
+                site = self.execution.sites.get(name)
+                out.extend(self._boundary(entry, record, site))
+                out.extend(_compute(entry.name, entry.policy, record))
+                out.extend(_autocast(entry.name, entry.policy, record))
+                out.extend(self._storage(entry, record))
+                out.extend(_output(entry, record, site))
         return out
 
-    def _diverges(self, entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
-        name, policy = entry.name, entry.policy
-        if entry.boundary and record.calls and not self._installed.get(name, False):
-            yield Divergence(name, "boundary", "installed", "missing (not applied?)", "state")
-        compute = policy.compute
-        if compute is not None:
-            for phase, ops in (("forward", record.forward_ops),
-                               ("backward", record.backward_ops)):
-                low = {d for d in ops if d != compute and not wider(d, compute)}
-                if low:
-                    yield Divergence(name, "compute", dtype_name(compute),
-                                     _dtypes(Counter({d: ops[d] for d in low})), phase)  # type: ignore[arg-type]
-        mode = autocast_mode(policy)
-        if mode == "autocast":
-            wrong = {s for s in record.autocast if s != (True, compute)}
-        elif mode == "off":
-            wrong = {s for s in record.autocast if s[0]}
-        else:
-            wrong = set()
-        if wrong:
-            planned = dtype_name(compute) if mode == "autocast" else "off"
-            yield Divergence(name, "autocast", planned, _autocast_text(wrong), "forward")
-        for tname, dtype in record.tensors.items():
-            planned_dtype = self._planned_storage(entry, tname)
-            if planned_dtype is not None and dtype != planned_dtype:
-                yield Divergence(name, "storage", f"{tname} {dtype_name(planned_dtype)}",
+    def _boundary(self, entry: ModulePlan, record: ModuleRecord, site: Site | None
+                  ) -> Iterator[Divergence]:
+        if entry.boundary and record.calls and not self._installed.get(entry.name, False):
+            yield Divergence(entry.name, "boundary", "installed", "missing (not applied?)",
+                             "state")
+
+    def _storage(self, entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
+        """Rule 1: tensors held, and gradients received, in their planned dtypes."""
+        name = entry.name
+        targets = self.execution.targets
+        for tname, (kind, dtype) in record.tensors.items():
+            target = targets.get((name, kind, tname))
+            if target is not None and target.persistent and dtype != target.dtype:
+                yield Divergence(name, "storage", f"{tname} {dtype_name(target.dtype)}",
                                  dtype_name(dtype), "state")
         for tname, dtype in record.grads.items():
-            expected = self._planned_storage(entry, tname) or record.tensors.get(tname)
-            if expected is not None and dtype != expected:
+            target = targets.get((name, "param", tname))
+            expected = target.dtype if target is not None else record.tensors[tname][1]
+            if dtype != expected:
                 yield Divergence(name, "grad", f"{tname} {dtype_name(expected)}",
                                  dtype_name(dtype), "backward")
-        if entry.boundary and record.calls and record.outputs:
-            target, to_input = exit_dtype(self.plan, name)
-            if to_input and len(record.first_inputs) == 1:
-                (target,) = record.first_inputs
-            if target is not None and record.outputs != {target}:
-                yield Divergence(name, "output", dtype_name(target), _dtypes(record.outputs),
-                                 "forward")
-
-    def _planned_storage(self, entry: ModulePlan, tensor: str) -> torch.dtype | None:
-        if tensor.endswith(" (non-persistent)"):
-            return None  # keeps the dtype it was built in
-        return entry.policy.storage
 
     def __str__(self) -> str:
         bad: dict[str, set[str]] = {}
@@ -198,18 +223,21 @@ class AuditReport:
                   "autocast", "tensors", "grads", "output", "status")
         rows: list[tuple[str, ...]] = [header]
         for name, r in self.records.items():
-            if name not in self.plan:
+            if r.region is not None:  # a function-form region: module::function
+                label, calls, compute = f"{name} (region)", str(r.calls), r.region.compute
+            elif name in self.plan:
+                entry = self.plan[name]
+                depth = name.count(".") + (1 if name else 0)
+                label = ("  " * depth) + (name.rsplit(".", 1)[-1] if name else "(root)")
+                label += " *" if entry.boundary else ""
+                calls = "-" if entry.container else str(r.calls)
+                compute = entry.policy.compute
+            else:
                 continue  # a wrapper around the planned model
-            entry = self.plan[name]
-            depth = name.count(".") + (1 if name else 0)
-            label = ("  " * depth) + (name.rsplit(".", 1)[-1] if name else "(root)")
-            if entry.boundary:
-                label += " *"
             rows.append((
-                label, r.type, "-" if entry.container else str(r.calls),
-                dtype_name(entry.policy.compute),
+                label, r.type, calls, dtype_name(compute),
                 _dtypes(r.forward_ops), _dtypes(r.backward_ops), _autocast_text(r.autocast),
-                _dtypes(set(r.tensors.values())), _dtypes(set(r.grads.values())),
+                _dtypes({d for _, d in r.tensors.values()}), _dtypes(set(r.grads.values())),
                 _dtypes(r.outputs),
                 ("! " + ",".join(sorted(bad[name]))) if name in bad else "ok",
             ))
@@ -231,7 +259,8 @@ class AuditReport:
 
 
 class _Recorder:
-    """Records each tracked module's calls, inputs, tensors and outputs."""
+    """Records each tracked module's calls, inputs, tensors and outputs, and the function-form
+    regions that run inside them (as records of their own, named `module::function`)."""
 
     def __init__(self, records: dict[str, ModuleRecord]) -> None:
         self.records = records
@@ -245,23 +274,43 @@ class _Recorder:
         record.inputs.update(t.dtype for t in leaves)
         if leaves:
             record.first_inputs.add(leaves[0].dtype)
-        for tname, t in _own_tensors(module):
-            record.tensors[tname] = t.dtype
+        record.tensors.update(_own_tensors(module))
 
     def exit(self, name: str, module: nn.Module, output: Any) -> None:
         leaves: list[torch.Tensor] = []
         floating_leaves(output, leaves)
         self.records[name].outputs.update(t.dtype for t in leaves)
 
+    def region(self, name: str, policy: Policy) -> None:
+        record = self.records.get(name)
+        if record is None:
+            record = self.records[name] = ModuleRecord(name, "function", region=policy)
+        record.calls += 1
 
-def _own_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+
+def _own_tensors(module: nn.Module) -> Iterator[tuple[str, tuple[Kind, torch.dtype]]]:
     for pname, p in module._parameters.items():
         if p is not None and p.is_floating_point():
-            yield pname, p
+            yield pname, ("param", p.dtype)
     for bname, b in dict.items(module._buffers):
         if b is not None and b.is_floating_point():
-            suffix = " (non-persistent)" if bname in module._non_persistent_buffers_set else ""
-            yield bname + suffix, b
+            yield bname, ("buffer", b.dtype)
+
+
+def _computes(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether an op computes (its dtype says something about precision) or only moves data.
+    `index_put(accumulate=True)` and a `scatter` with a `reduce` sum what they move."""
+    packet = func.overloadpacket.__name__
+    if packet not in DATA_MOVEMENT:
+        return True
+    if packet in ("index_put", "index_put_"):
+        accumulate = kwargs.get("accumulate") if kwargs else None
+        if accumulate is None and len(args) > 3:
+            accumulate = args[3]
+        return bool(accumulate)
+    if packet == "scatter":
+        return bool(kwargs and kwargs.get("reduce")) or len(args) > 4
+    return False
 
 
 class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -275,7 +324,7 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.is_view or func.overloadpacket.__name__ in DATA_MOVEMENT:
+        if func.is_view or not _computes(func, args, kwargs):
             return out
         inputs: list[torch.Tensor] = []
         floating_leaves((args, kwargs), inputs)
@@ -326,12 +375,16 @@ class audit:
     For each module that runs, the report keeps the dtypes its floating ops compute in (seen
     after autocast, at dispatch), the autocast state its code runs under, the dtypes of its
     parameters, buffers, gradients and outputs; `report.divergences` lists every difference
-    from the plan and is empty when the plan is real.
+    from the plan and is empty when the plan is real. Function-form regions
+    (`precision(...)(fn)`) that run inside a module get a row of their own,
+    `module::function`, checked against their own policy. Hooks registered inside the block
+    are charged to their module.
 
     Run the model eagerly and in one thread inside the block (not under `torch.compile`).
 
     Args:
-        model: the model, applied or not.
+        model: the model, applied or not; wrappers (`DistributedDataParallel`,
+            `torch.compile`'s) are seen through.
         plan: the plan to compare with; the plan `apply` last made real on `model` when None,
             else `resolve(model)`. (Default: None)
 
@@ -351,8 +404,8 @@ class audit:
         require_module(model, "audit")
         if plan is not None:
             require_plan(plan, "audit")
-        self.model = model
-        self.plan = plan or applied_plan(model) or resolve(model)
+        self.model = unwrap(model)
+        self.plan = plan or plan_of(self.model)
         self._handles: list[RemovableHandle] = []
         self._modes: list[Any] = []
         self._tracker: ModuleTracker | None = None
@@ -363,14 +416,17 @@ class audit:
             raise RuntimeError("This audit has already run; create a new audit(model) to "
                                "record again.")
         names = _plan_names(self.model, self.plan)
-        check_matches(self.plan, {n: m for m, n in names.items() if n in self.plan or
-                                  not n.startswith("(wrapper)")})
+        planned = {n: m for m, n in names.items() if n in self.plan or
+                   not n.startswith("(wrapper)")}
+        check_matches(self.plan, planned)
+        execution = compile_plan(self.plan, planned)
         records = {n: ModuleRecord(n, type(m).__name__) for m, n in names.items()}
         installed = {n: bool((b := find_boundary(m)[0]) and b.active) for m, n in names.items()}
         for module, name in names.items():
-            records[name].tensors = {t: v.dtype for t, v in _own_tensors(module)}
+            records[name].tensors = dict(_own_tensors(module))
         recorder = _Recorder(records)
-        tracker = self._tracker = ModuleTracker(names, recorder.enter, recorder.exit)
+        tracker = self._tracker = ModuleTracker(names, recorder.enter, recorder.exit,
+                                                recorder.region)
         tracker.__enter__()
         for module in names:
             for pname, p in module.named_parameters(recurse=False):
@@ -380,7 +436,7 @@ class audit:
         self._modes = [_AutocastState(tracker, records), _OpDtypes(tracker, records)]
         for mode in self._modes:
             mode.__enter__()
-        self.report = AuditReport(self.plan, records, installed)
+        self.report = AuditReport(self.plan, execution, records, installed)
         self._names = names
         return self.report
 
@@ -395,8 +451,7 @@ class audit:
         self._handles.clear()
         assert self.report is not None
         for module, name in self._names.items():  # storage as it is at the end of the block
-            self.report.records[name].tensors.update(
-                {t: v.dtype for t, v in _own_tensors(module)})
+            self.report.records[name].tensors.update(_own_tensors(module))
 
 
 def _grad_recorder(record: ModuleRecord, name: str) -> Callable[[torch.Tensor], None]:
@@ -412,16 +467,12 @@ _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_m
 
 def _plan_names(model: nn.Module, plan: PrecisionPlan) -> dict[nn.Module, str]:
     """Each module's name as the plan knows it: wrapper levels (FSDP1, activation
-    checkpointing, torch.compile) left out, and a DDP-style `module.` prefix dropped when the
-    plan has no such module. A wrapper whose name its inner module takes is "(wrapper) name"."""
+    checkpointing, torch.compile) left out. A wrapper whose name its inner module takes is
+    "(wrapper) name"."""
     out: dict[nn.Module, str] = {}
     taken: dict[str, nn.Module] = {}
-    strip = "module" not in plan and any(n == "module" for n, _ in model.named_modules())
     for raw, module in model.named_modules():
         clean = ".".join(p for p in raw.split(".") if p not in _WRAPPER_PARTS)
-        if strip:
-            clean = "" if clean == "module" else clean.removeprefix("module.") if (
-                clean.startswith("module.")) else ("(wrapper)" if clean == "" else clean)
         if clean in taken:
             out[taken[clean]] = f"(wrapper) {clean}"
         taken[clean] = module

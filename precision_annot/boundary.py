@@ -12,12 +12,11 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import sys
 import threading
 import types
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -26,9 +25,11 @@ from typing_extensions import ParamSpec
 from precision_annot.casting import Copies, cast_tree, check_tree, first_floating
 from precision_annot.dtypes import dtype_name, wider
 from precision_annot.policy import AutocastMode, Policy
+from precision_annot.tags import tag_function
 
-__all__ = ["Boundary", "BoundarySpec", "CastingDict", "Region", "autocast_context",
-           "device_type_of", "in_applied_forward", "wrap_function"]
+__all__ = ["REGION_OBSERVERS", "Boundary", "BoundarySpec", "CastingDict", "DriftError", "Planned",
+           "Region", "RegionObserver", "autocast_context", "cast_inputs", "device_type_of",
+           "get_tensor", "in_applied_forward", "keep_binding", "set_tensor", "wrap_function"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -281,6 +282,13 @@ class BoundarySpec:
     keep_names: frozenset[str] = frozenset()
     check: bool = False
 
+    def target(self, first: torch.dtype | None) -> torch.dtype | None:
+        """The dtype outputs leave in, given the dtype of the first floating input (None when
+        there was none): runtime rule 4, as `policy.exit_dtype` decided it."""
+        if self.exit_to_input:
+            return first
+        return self.exit
+
     def describe(self) -> str:
         parts = [f"compute={dtype_name(self.compute)}", f"autocast={self.mode or 'as caller'}"]
         exit_to = "input dtype" if self.exit_to_input else dtype_name(self.exit)
@@ -304,6 +312,37 @@ class DriftError(RuntimeError):
     """A boundary failed because its parameters are no longer in their planned dtypes."""
 
 
+class _Local(threading.local):
+    """Per thread: the applied model whose forward is running (its `apply` state), if any."""
+
+    model: object | None = None
+
+
+_local = _Local()
+
+
+def in_applied_forward() -> bool:
+    """True when the current thread is inside the forward of an applied model (a boundary or
+    an entry guard is running). One thread-local read; `precision_scope` calls it on entry."""
+    return _local.model is not None
+
+
+def cast_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype,
+                positions: frozenset[int], names: frozenset[str], copies: Copies | None = None
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Every floating tensor in the arguments cast to `dtype`, but the kept ones: the entry
+    cast of a boundary, of an entry guard and of the function form alike."""
+    n = len(args)
+    new_args = tuple(
+        a if (i in positions or i - n in positions) else cast_tree(a, dtype, copies,
+                                                                   f"argument {i}")
+        for i, a in enumerate(args)
+    )
+    new_kwargs = {k: v if k in names else cast_tree(v, dtype, copies, f"argument {k!r}")
+                  for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
 class Boundary:
     """The forward of one boundary module: cast in, set autocast, run, cast out.
 
@@ -312,6 +351,25 @@ class Boundary:
     wraps, as `functools.wraps` would (Hugging Face's Trainer reads the signature to pick the
     batch columns it passes). `remove` takes it off again, or, when another library has
     wrapped it meanwhile (Accelerate's autocast wrapper), turns it into a pass-through.
+
+    An entry guard (`guard=True`) is the same object on a module that is not a boundary but
+    can be called on its own (an encoder): called from inside its model's forward it runs the
+    module as is; called from outside, it sets up what its boundary would have and hands its
+    outputs back as computed.
+
+    Args:
+        module: the module whose forward it is.
+        spec: what it does at each call.
+        inner: an instance `forward` it wraps, else the class's. (Default: None)
+        region: the tensors seen in the compute dtype while it runs, the object the modules'
+            `CastingDict`s know. (Default: None)
+        swap: the same tensors with paths from `module`, for the cases that swap them on the
+            modules (`torch.compile`, a DataParallel replica); `region` when None.
+            (Default: None)
+        planned: tensors and planned dtypes, to explain a failure. (Default: ())
+        owner: what identifies its model's forward (the model's apply state). (Default: None)
+        guard: an entry guard. (Default: False)
+        exclusive: a DataParallel replica, which one thread runs. (Default: False)
     """
 
     def __init__(
@@ -321,21 +379,27 @@ class Boundary:
         *,
         inner: Callable[..., Any] | None = None,
         region: Region | None = None,
+        swap: Region | None = None,
         planned: tuple[Planned, ...] = (),
+        owner: object | None = None,
+        guard: bool = False,
         exclusive: bool = False,
     ) -> None:
         self.module = module
         self.inner = inner
-        self.configure(spec, region, planned)
-        self.exclusive = exclusive  # a DataParallel replica: one thread runs it
+        self.owner = owner
+        self.guard = guard
+        self.exclusive = exclusive
+        self.configure(spec, region, planned, swap)
         self._warned: set[str] = set()
         self.__qualname__ = getattr(self._target(), "__qualname__", "forward")
 
     def configure(self, spec: BoundarySpec | None, region: Region | None,
-                  planned: tuple[Planned, ...]) -> None:
+                  planned: tuple[Planned, ...], swap: Region | None = None) -> None:
         """Set what this boundary does; `spec=None` makes it a pass-through."""
         self.spec = spec
         self.region = region
+        self.swap = swap if swap is not None else region
         self.planned = planned
         # What the fast path reads, decided here once: one tensor argument, nothing kept,
         # nothing checked, no parameter to cast.
@@ -353,7 +417,8 @@ class Boundary:
     def rebound(self, module: nn.Module) -> Boundary:
         """This boundary for a DataParallel replica of its module."""
         return Boundary(module, self.spec, inner=self.inner, region=self.region,  # type: ignore[arg-type]
-                        planned=self.planned, exclusive=True)
+                        swap=self.swap, planned=self.planned, owner=self.owner,
+                        guard=self.guard, exclusive=True)
 
     # functools.wraps, computed when asked, so that nothing here holds a bound method
     def _target(self) -> Callable[..., Any]:
@@ -382,7 +447,8 @@ class Boundary:
         name = self.module.__class__.__name__
         if spec is None:
             return f"Boundary({name}, removed)"
-        return f"Boundary({spec.name or '(root)'!r}, {spec.describe()})"
+        kind = "entry guard" if self.guard else "Boundary"
+        return f"{kind}({spec.name or '(root)'!r}, {spec.describe()})"
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner is not None:
@@ -393,70 +459,77 @@ class Boundary:
         if torch.compiler.is_compiling():  # first: Dynamo folds it, so it costs no guard
             return self._compiled(args, kwargs)
         spec = self.spec
-        if spec is None:
+        local = _local
+        outer = local.model
+        if spec is None or (self.guard and outer is self.owner):
             return self._run(*args, **kwargs)
-        if not (self.fast and len(args) == 1 and not kwargs) or (
-                torch.autograd.profiler._is_profiler_enabled):
-            return self._call(args, kwargs, spec)
-        x = args[0]
-        if not isinstance(x, torch.Tensor):
-            return self._call(args, kwargs, spec)
-        # The fast path: one tensor in. Every check here is one that costs well under a
-        # microsecond; a cast to the dtype a tensor has is skipped.
-        source = x.dtype
-        compute = self._compute
-        cast = None
-        if compute is not None and source != compute and x.is_floating_point():
-            x = cast = x.to(compute)
-        mode = self._mode
-        device = "cpu" if x.is_cpu else x.device.type
+        local.model = self.owner
         try:
-            if mode is None or not _autocast_available(device) or (
-                    mode == "off" and not torch.is_autocast_enabled(device)):
-                out = self._run(x)
-            else:
-                context = autocast_context(mode, device, compute)
-                if context is None:
+            if not (self.fast and len(args) == 1 and not kwargs) or (
+                    torch.autograd.profiler._is_profiler_enabled):
+                return self._call(args, kwargs, spec)
+            x = args[0]
+            if not isinstance(x, torch.Tensor):
+                return self._call(args, kwargs, spec)
+            # The fast path: one tensor in. Every check here is one that costs well under a
+            # microsecond; a cast to the dtype a tensor has is skipped.
+            source = x.dtype
+            compute = self._compute
+            cast = None
+            if compute is not None and source != compute and x.is_floating_point():
+                x = cast = x.to(compute)
+            mode = self._mode
+            device = "cpu" if x.is_cpu else x.device.type
+            try:
+                if mode is None or not _autocast_available(device) or (
+                        mode == "off" and not torch.is_autocast_enabled(device)):
                     out = self._run(x)
                 else:
-                    with context:
+                    context = autocast_context(mode, device, compute)
+                    if context is None:
                         out = self._run(x)
-        except RuntimeError as e:
-            self._explain(e)
-            raise
-        if cast is not None:
-            try:
-                modified = cast._version > 0
-            except RuntimeError:  # an inference tensor has no version counter
-                modified = False
-            if modified:
-                self._warn_modified("argument 0")
-        target = self._exit
-        if self._to_input:
-            target = source if source.is_floating_point else None
-        if isinstance(out, torch.Tensor):
-            if target is not None and out.dtype != target and out.is_floating_point():
-                return out.to(target)
-            return out
-        return self._exit_tree(out, target, spec, context_of=(mode, device))
+                    else:
+                        with context:
+                            out = self._run(x)
+            except RuntimeError as e:
+                self._explain(e)
+                raise
+            if cast is not None:
+                try:
+                    modified = cast._version > 0
+                except RuntimeError:  # an inference tensor has no version counter
+                    modified = False
+                if modified:
+                    self._warn_modified("argument 0")
+            target = (source if source.is_floating_point else None) if self._to_input else (
+                self._exit)
+            if isinstance(out, torch.Tensor):
+                if target is not None and out.dtype != target and out.is_floating_point():
+                    return out.to(target)
+                return out
+            return self._exit_tree(out, target, spec, device)
+        finally:
+            local.model = outer
 
     def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call under `torch.compile`, traced into the graph once. Every attribute read
-        here becomes a guard checked at each call, so it reads one record: the spec."""
+        here becomes a guard checked at each call, so it reads one record: the spec. An entry
+        guard is traced as what it sets up, which is nothing where its boundary has already."""
         spec = self.spec
         if spec is None:
             return self._run(*args, **kwargs)
         first = first_floating((args, kwargs)) if (
             spec.mode is not None or spec.exit_to_input) else None
         if spec.compute is not None:
-            args, kwargs = self._cast_inputs(args, kwargs, spec, None)
+            args, kwargs = cast_inputs(args, kwargs, spec.compute, spec.keep_positions,
+                                       spec.keep_names)
         device = first.device.type if first is not None else device_type_of(
             None, args, kwargs, self.module)
         context = autocast_context(spec.mode, device, spec.compute)
-        region = _NULL if self.region is None else self.region.swapped(self.module)
+        region = _NULL if self.swap is None else self.swap.swapped(self.module)
         with region, (context or _NULL):
             out = self._run(*args, **kwargs)
-        target = first.dtype if spec.exit_to_input and first is not None else spec.exit
+        target = spec.target(None if first is None else first.dtype)
         return out if target is None else cast_tree(out, target)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: BoundarySpec) -> Any:
@@ -467,17 +540,14 @@ class Boundary:
         copies: Copies = []
         if spec.compute is not None:
             with _traced("cast_inputs", spec.name):
-                args, kwargs = self._cast_inputs(args, kwargs, spec, copies)
+                args, kwargs = cast_inputs(args, kwargs, spec.compute, spec.keep_positions,
+                                           spec.keep_names, copies)
         if check:
             check_tree((args, kwargs), spec.name, "entry")
         device = device_type_of(first, args, kwargs, self.module)
-        context = autocast_context(spec.mode, device, spec.compute)
-        region: contextlib.AbstractContextManager[Any] = _NULL
-        if self.region is not None:
-            swap = self.exclusive
-            region = self.region.swapped(self.module) if swap else self.region.active()
+        region, context = self._state(device)
         try:
-            with region, (context or _NULL):
+            with region, context:
                 out = self._run(*args, **kwargs)
         except RuntimeError as e:
             self._explain(e)
@@ -485,33 +555,25 @@ class Boundary:
         for label, cast in copies or ():
             if not cast.is_inference() and cast._version > 0:
                 self._warn_modified(label)
-        target = spec.exit
-        if spec.exit_to_input:
-            target = first.dtype if first is not None else None
-        return self._exit_tree(out, target, spec, context_of=(spec.mode, device), check=check)
+        target = spec.target(None if first is None else first.dtype)
+        return self._exit_tree(out, target, spec, device, check=check)
 
-    def _cast_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], spec: BoundarySpec,
-        copies: Copies | None,
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        dtype = spec.compute
-        assert dtype is not None
-        keep = spec.keep_positions
-        n = len(args)
-        new_args = tuple(
-            a if (i in keep or i - n in keep) else cast_tree(a, dtype, copies, f"argument {i}")
-            for i, a in enumerate(args)
-        )
-        new_kwargs = {
-            k: v if k in spec.keep_names else cast_tree(v, dtype, copies, f"argument {k!r}")
-            for k, v in kwargs.items()
-        }
-        return new_args, new_kwargs
+    def _state(self, device: str) -> tuple[contextlib.AbstractContextManager[Any],
+                                           contextlib.AbstractContextManager[Any]]:
+        """This boundary's region and autocast state, for one call or one generator step."""
+        spec = self.spec
+        assert spec is not None
+        context = autocast_context(spec.mode, device, spec.compute)
+        region: contextlib.AbstractContextManager[Any] = _NULL
+        if self.region is not None:
+            region = (self.swap or self.region).swapped(self.module) if self.exclusive else (
+                self.region.active())
+        return region, context or _NULL
 
-    def _exit_tree(self, out: Any, target: torch.dtype | None, spec: BoundarySpec,
-              context_of: tuple[AutocastMode, str], check: bool = False) -> Any:
+    def _exit_tree(self, out: Any, target: torch.dtype | None, spec: BoundarySpec, device: str,
+                   check: bool = False) -> Any:
         if isinstance(out, types.GeneratorType):
-            return self._generator(out, target, spec, context_of)
+            return self._generator(out, target, device)
         if target is not None:
             with _traced("cast_outputs", spec.name):
                 out = cast_tree(out, target)
@@ -519,23 +581,22 @@ class Boundary:
             check_tree(out, spec.name, "exit")
         return out
 
-    def _generator(
-        self, gen: Generator[Any, Any, Any], target: torch.dtype | None, spec: BoundarySpec,
-        context_of: tuple[AutocastMode, str],
-    ) -> Generator[Any, Any, Any]:
+    def _generator(self, gen: Generator[Any, Any, Any], target: torch.dtype | None,
+                   device: str) -> Generator[Any, Any, Any]:
         """A generator returned by the forward runs later, in the caller's code: run each
-        step under this boundary's autocast state and cast each item at exit."""
-        mode, device = context_of
+        step as part of this model's forward, under this boundary's state, and cast each item
+        at exit."""
         while True:
-            context = autocast_context(mode, device, spec.compute)
-            region = _NULL if self.region is None else (
-                self.region.swapped(self.module) if self.exclusive else self.region.active()
-            )
-            with region, (context or _NULL):
-                try:
+            local = _local
+            outer, local.model = local.model, self.owner
+            region, context = self._state(device)
+            try:
+                with region, context:
                     item = next(gen)
-                except StopIteration as stop:
-                    return stop.value
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                local.model = outer
             yield item if target is None else cast_tree(item, target)
 
     def _warn_modified(self, label: str) -> None:
@@ -591,7 +652,8 @@ def keep_binding(
     """Bind `keep_dtype` entries to `fn`'s parameters: a name keeps the argument whether it is
     passed by keyword or by position, and so does an index.
 
-    Raises `ValueError` for a name `fn` does not take (unless it takes **kwargs)."""
+    Raises `ValueError` for a name `fn` does not take (unless it takes **kwargs), and for an
+    index past its positional parameters (unless it takes *args)."""
     if not keep:
         return frozenset(), frozenset()
     try:
@@ -606,20 +668,31 @@ def keep_binding(
     by_name = {p.name: p for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
                                                            inspect.Parameter.VAR_KEYWORD)}
     takes_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    takes_args = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
     positions: set[int] = set()
     names: set[str] = set()
     for k in keep:
         if isinstance(k, int):
+            if params and not takes_args and not -len(positional) <= k < len(positional):
+                raise ValueError(
+                    f"keep_dtype names position {k}, but {what} takes {len(positional)} "
+                    f"positional argument{'' if len(positional) == 1 else 's'} "
+                    f"({', '.join(repr(p.name) for p in positional) or 'none'}). Received: "
+                    f"keep_dtype={keep!r}"
+                )
             positions.add(k)
-            if 0 <= k < len(positional) and positional[k].kind != inspect.Parameter.POSITIONAL_ONLY:
-                names.add(positional[k].name)
+            index = k if k >= 0 else len(positional) + k
+            if 0 <= index < len(positional) and (
+                    positional[index].kind != inspect.Parameter.POSITIONAL_ONLY):
+                names.add(positional[index].name)
             continue
         param = by_name.get(k)
         if param is None:
             if not takes_kwargs and params:
                 raise ValueError(
                     f"keep_dtype names {k!r}, but {what} takes no argument of that name. "
-                    f"Valid names: {', '.join(repr(n) for n in by_name) or 'none'}"
+                    f"Valid names: {', '.join(repr(n) for n in by_name) or 'none'}. Received: "
+                    f"keep_dtype={keep!r}"
                 )
             names.add(k)
             continue
@@ -630,51 +703,49 @@ def keep_binding(
     return frozenset(positions), frozenset(names)
 
 
+class RegionObserver(Protocol):
+    """Told when a function-form region starts and ends (`audit` charges its ops to it)."""
+
+    def enter_region(self, name: str, policy: Policy) -> None: ...
+
+    def exit_region(self, name: str) -> None: ...
+
+
+#: the observers `audit` registers while it records; empty otherwise, so a region pays one check
+REGION_OBSERVERS: list[RegionObserver] = []
+
+
 def wrap_function(
     fn: Callable[P, R], policy: Policy, keep: tuple[str | int, ...]
 ) -> Callable[P, R]:
     """The function form of `precision`: cast in, disable autocast, run, cast back out."""
-    positions, names = keep_binding(fn, keep, f"function {getattr(fn, '__qualname__', fn)!r}")
-    spec = BoundarySpec(name=getattr(fn, "__qualname__", "function"), compute=policy.compute,
-                        mode="off", exit=policy.output, keep_positions=positions,
+    qualname = getattr(fn, "__qualname__", "function")
+    positions, names = keep_binding(fn, keep, f"function {qualname!r}")
+    spec = BoundarySpec(name=qualname, compute=policy.compute, mode="off", exit=policy.output,
+                        exit_to_input=policy.output is None, keep_positions=positions,
                         keep_names=names)
+    observers = REGION_OBSERVERS
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        first = first_floating((args, kwargs))
-        if spec.compute is not None:
-            n = len(args)
-            args = tuple(a if (i in positions or i - n in positions) else
-                         cast_tree(a, spec.compute) for i, a in enumerate(args))
-            kwargs = {k: v if k in names else cast_tree(v, spec.compute)
-                      for k, v in kwargs.items()}
-        device = device_type_of(first, args, kwargs)
-        context = autocast_context("off", device, None)
-        with context or _NULL:
-            out = fn(*args, **kwargs)
-        target = spec.exit or (first.dtype if first is not None else None)
+        watched = bool(observers) and not torch.compiler.is_compiling()
+        if watched:
+            for observer in observers:
+                observer.enter_region(qualname, policy)
+        try:
+            first = first_floating((args, kwargs))
+            if spec.compute is not None:
+                args, kwargs = cast_inputs(args, kwargs, spec.compute, positions, names)
+            device = device_type_of(first, args, kwargs)
+            context = autocast_context("off", device, None)
+            with context or _NULL:
+                out = fn(*args, **kwargs)
+        finally:
+            if watched:
+                for observer in observers:
+                    observer.exit_region(qualname)
+        target = spec.target(None if first is None else first.dtype)
         return out if target is None else cast_tree(out, target)
 
-    wrapper.__precision_annot_policy__ = policy  # type: ignore[attr-defined]
+    tag_function(wrapper, policy)
     return wrapper
-
-
-# -- where are we ---------------------------------------------------------------------------------
-
-_FORWARD_CODES = frozenset({
-    Boundary.__call__.__code__, Boundary._call.__code__, Boundary._generator.__code__,
-})
-
-
-def in_applied_forward() -> bool:
-    """True when the current thread is inside the forward of an applied boundary.
-
-    It walks the Python stack, so it costs nothing while forwards run; `precision_scope`
-    calls it once on entry.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _FORWARD_CODES:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False

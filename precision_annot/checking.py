@@ -16,8 +16,8 @@ from torch import nn
 
 from precision_annot.findings import SEVERITIES, Finding, numerics
 from precision_annot.plan import PrecisionPlan
-from precision_annot.resolution import resolve
-from precision_annot.runtime import applied_plan
+from precision_annot.runtime import plan_of
+from precision_annot.wrappers import unwrap
 
 __all__ = ["BACKENDS", "check"]
 
@@ -94,10 +94,10 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
     options = _config_for(backend, config)
     ddp_model = model = None
     if isinstance(model_or_plan, nn.parallel.DistributedDataParallel):
-        ddp_model, model_or_plan = model_or_plan, model_or_plan.module
+        ddp_model = model_or_plan
     if isinstance(model_or_plan, nn.Module):
-        model = model_or_plan
-        plan = applied_plan(model) or resolve(model)
+        model = unwrap(model_or_plan)
+        plan = plan_of(model)
     elif isinstance(model_or_plan, PrecisionPlan):
         plan = model_or_plan
         model = plan.module("") if plan.has_model else None  # resolved from a live model

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "LOW_PRECISION", "bf16", "dtype_name", "fp16", "fp32", "fp64",
-           "to_dtype", "wider", "widest"]
+__all__ = ["DTYPE_NAMES", "LOW_PRECISION", "bf16", "dtype_from_name", "dtype_name", "fp16",
+           "fp32", "fp64", "to_dtype", "wider", "widest"]
 
 fp64 = torch.float64
 fp32 = torch.float32
@@ -78,7 +78,23 @@ def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:
-    """The canonical short name (`fp32`, `bf16`, ...) of a supported dtype, or `-` for None."""
+    """The canonical short name (`fp32`, `bf16`, ...) of a policy dtype, torch's own name
+    (`int8`, `float8_e4m3fn`) of any other dtype, or `-` for None. `dtype_from_name` reads
+    every one of them back."""
     if dtype is None:
         return "-"
     return SHORT.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def dtype_from_name(name: str, *, field: str = "dtype") -> torch.dtype:
+    """The torch dtype `dtype_name` wrote: a policy dtype's alias or any torch dtype's name
+    (`int8`, `torch.uint8`, `float8_e5m2`, `complex64`). Raises `ValueError` naming `field`."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if isinstance(key, str):
+        if key in DTYPE_NAMES:
+            return DTYPE_NAMES[key]
+        found = getattr(torch, key.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise ValueError(f"Unknown dtype name {name!r} for {field}: neither a policy dtype "
+                     f"({', '.join(SHORT.values())}) nor a torch dtype such as 'int8'.")

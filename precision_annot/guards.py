@@ -3,11 +3,32 @@ quotes the value and says what is expected."""
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 from torch import nn
 
 from precision_annot.plan import PrecisionPlan
 
-__all__ = ["require_module", "require_plan"]
+__all__ = ["require_module", "require_plan", "warn"]
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_TORCH_MODULE = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn, pointing at the user's line: the first frame outside this package and outside
+    `nn.Module`'s own code (a `.to()` reaches modules through a recursion of any depth)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_PACKAGE) or path.endswith(_TORCH_MODULE)):
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level + 1)
 
 
 def require_module(value: object, where: str, argument: str = "model") -> None:

@@ -13,10 +13,10 @@ from typing import Any, Literal, TypeAlias, get_args
 import torch
 from torch import nn
 
-from precision_annot.dtypes import SHORT, dtype_name, fp16, to_dtype
+from precision_annot.dtypes import SHORT, dtype_from_name, dtype_name, fp16
 from precision_annot.policy import FIELDS, Policy, is_boundary
 
-__all__ = ["ModulePlan", "PrecisionPlan", "Source", "nearest", "parent_name"]
+__all__ = ["ModulePlan", "PrecisionPlan", "Source", "nearest", "parent_name", "planned_bytes"]
 
 Source: TypeAlias = Literal["instance", "rule", "class", "scope", "inherited", "default"]
 SOURCES: frozenset[str] = frozenset(get_args(Source))
@@ -38,9 +38,21 @@ def nearest(names: Iterable[str], chosen: Container[str]) -> dict[str, str | Non
     return owner
 
 
+def planned_bytes(numel: Mapping[torch.dtype, int], storage: torch.dtype | None
+                  ) -> dict[torch.dtype, int]:
+    """Bytes of parameters by the dtype they are stored in under a plan: floating parameters in
+    `storage` (their own dtype when it is None), the others as they are. The one place a plan's
+    byte counts come from."""
+    out: dict[torch.dtype, int] = {}
+    for dtype, n in numel.items():
+        stored = storage if storage is not None and dtype.is_floating_point else dtype
+        out[stored] = out.get(stored, 0) + n * stored.itemsize
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ModulePlan:
-    """One module's row of the plan.
+    """One module's row of the plan: what was declared and what it resolved to.
 
     Attributes:
         name: qualified module name ("" for the root).
@@ -52,9 +64,10 @@ class ModulePlan:
             it never runs, so its children carry its policy and its boundaries.
         boundary: True when this module casts at entry or exit, or changes autocast. The
             plan derives it from the policies; a value given here is ignored.
-        params: number of the module's own parameter elements.
-        param_bytes: bytes of its own parameters in their planned storage dtype.
-        param_dtype_bytes: those bytes by dtype name.
+        numel: the module's own parameter elements, by the dtype the plan stores them in
+            (floating ones in its storage dtype, or the dtype they had when it sets none).
+        regions: the function-form regions (`precision(...)(fn)`) its forward calls, by the
+            function's qualified name.
     """
 
     name: str
@@ -64,9 +77,23 @@ class ModulePlan:
     keep_dtype: tuple[str | int, ...] = ()
     container: bool = False
     boundary: bool = False
-    params: int = 0
-    param_bytes: int = 0
-    param_dtype_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    numel: Mapping[torch.dtype, int] = dataclasses.field(default_factory=dict)
+    regions: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
+
+    @property
+    def params(self) -> int:
+        """Number of the module's own parameter elements."""
+        return sum(self.numel.values())
+
+    @property
+    def param_dtype_bytes(self) -> dict[torch.dtype, int]:
+        """Bytes of its own parameters by the dtype the plan stores them in."""
+        return planned_bytes(self.numel, self.policy.storage)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of its own parameters in their planned storage dtypes."""
+        return sum(self.param_dtype_bytes.values())
 
     def source_summary(self) -> str:
         """One word when every set field has the same source, else field:source pairs."""
@@ -89,7 +116,9 @@ class ModulePlan:
             "boundary": self.boundary,
             "params": self.params,
             "param_bytes": self.param_bytes,
-            "param_dtype_bytes": dict(self.param_dtype_bytes),
+            "param_dtype_bytes": {dtype_name(d): n for d, n in self.param_dtype_bytes.items()},
+            "numel": {dtype_name(d): n for d, n in self.numel.items()},
+            "regions": {fn: str(p) for fn, p in self.regions.items()},
         }
 
     @classmethod
@@ -111,11 +140,16 @@ class ModulePlan:
                 )
             return value
 
+        def policy_of(text: object, key: str) -> Policy:
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: {key} must be of type str. Received: {text!r}")
+            try:
+                return Policy.parse(text)
+            except ValueError as e:
+                raise ValueError(f"{where}: {key} is not a policy: {e}") from e
+
         type_name = get("type", str, None)
-        try:
-            policy = Policy.parse(get("policy", str, None))
-        except ValueError as e:
-            raise ValueError(f"{where}: 'policy' is not a policy: {e}") from e
+        policy = policy_of(get("policy", str, None), "'policy'")
         raw_sources = get("sources", dict, {})
         sources: dict[str, Source | None] = {}
         for field in FIELDS:
@@ -134,32 +168,54 @@ class ModulePlan:
             )
         get("boundary", bool, False)  # derived from the policies; only its type is checked
         counts = {key: get(key, int, 0) for key in ("params", "param_bytes")}
-        by_dtype = get("param_dtype_bytes", dict, {})
-        for key, value in [*counts.items(), *by_dtype.items()]:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        for key, value in counts.items():
+            if value < 0:
                 raise ValueError(f"{where}: {key!r} must be a count >= 0. Received: {value!r}")
-        unknown = [k for k in by_dtype if k not in SHORT.values()]
-        if unknown:
-            raise ValueError(
-                f"{where}: 'param_dtype_bytes' has unknown dtype {unknown[0]!r}; valid: "
-                f"{', '.join(SHORT.values())}"
-            )
+        by_dtype = _counts(get("param_dtype_bytes", dict, {}), where, "param_dtype_bytes")
         if sum(by_dtype.values()) != counts["param_bytes"]:
             raise ValueError(
                 f"{where}: 'param_bytes' ({counts['param_bytes']}) is not the sum of "
                 f"'param_dtype_bytes' ({sum(by_dtype.values())})."
             )
-        return cls(
-            name=name,
-            type=type_name,
-            policy=policy,
-            sources=sources,
-            keep_dtype=tuple(keep),
-            container=get("container", bool, False),
-            params=counts["params"],
-            param_bytes=counts["param_bytes"],
-            param_dtype_bytes=dict(by_dtype),
-        )
+        if "numel" in data:
+            numel = _counts(get("numel", dict, {}), where, "numel")
+        else:  # written before "numel" was
+            numel = {d: n // d.itemsize for d, n in by_dtype.items()}
+        regions = {fn: policy_of(text, f"'regions'[{fn!r}]")
+                   for fn, text in get("regions", dict, {}).items()}
+        entry = cls(name=name, type=type_name, policy=policy, sources=sources,
+                    keep_dtype=tuple(keep), container=get("container", bool, False),
+                    numel=numel, regions=regions)
+        if entry.param_dtype_bytes != by_dtype or entry.params != counts["params"]:
+            raise ValueError(
+                f"{where}: 'numel' ({_show(numel)}) under storage "
+                f"{dtype_name(policy.storage)} gives {entry.params} parameters in "
+                f"{_show(entry.param_dtype_bytes)} bytes, but the entry says {counts['params']} "
+                f"in {_show(by_dtype)}."
+            )
+        return entry
+
+
+def _show(counts: Mapping[torch.dtype, int]) -> str:
+    return "{" + ", ".join(f"{dtype_name(d)}: {n}" for d, n in counts.items()) + "}"
+
+
+def _counts(raw: Mapping[str, object], where: str, key: str) -> dict[torch.dtype, int]:
+    """A JSON map of dtype name to count, read back; a bad name or count names its key."""
+    out: dict[torch.dtype, int] = {}
+    for name, value in raw.items():
+        try:
+            dtype = dtype_from_name(name, field=key)
+        except ValueError:
+            raise ValueError(
+                f"{where}: {key!r} has unknown dtype {name!r}; valid: a policy dtype "
+                f"({', '.join(SHORT.values())}) or a torch dtype such as 'int8'."
+            ) from None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{where}: {key!r}[{name!r}] must be a count >= 0. "
+                             f"Received: {value!r}")
+        out[dtype] = value
+    return out
 
 
 class PrecisionPlan(Mapping[str, ModulePlan]):
@@ -283,18 +339,37 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
 
     @property
     def needs_loss_scaling(self) -> bool:
-        """True when fp16 is used anywhere: every adapter then turns on dynamic loss scaling."""
-        return any(e.policy.uses(fp16) for e in self._entries.values())
+        """True when fp16 is used anywhere, function-form regions included: every adapter then
+        turns on dynamic loss scaling."""
+        return any(e.policy.uses(fp16) or any(r.uses(fp16) for r in e.regions.values())
+                   for e in self._entries.values())
 
     @property
     def param_bytes_by_dtype(self) -> dict[torch.dtype, int]:
         """Bytes of parameters per planned storage dtype, over the whole model."""
         out: dict[torch.dtype, int] = {}
         for e in self._entries.values():
-            for name, n in e.param_dtype_bytes.items():
-                dtype = to_dtype(name)
+            for dtype, n in e.param_dtype_bytes.items():
                 out[dtype] = out.get(dtype, 0) + n
         return out
+
+    def with_policies(self, policies: Mapping[str, Policy],
+                      sources: Mapping[str, Mapping[str, Source | None]] | None = None
+                      ) -> PrecisionPlan:
+        """A copy with some modules' policies (and, where given, sources) replaced; boundaries
+        and byte counts follow, and the copy holds the same model."""
+        unknown = [n for n in policies if n not in self._entries]
+        if unknown:
+            raise KeyError(f"with_policies: no module named {unknown[0]!r} in this plan.")
+        sources = sources or {}
+        entries = {
+            name: dataclasses.replace(entry, policy=policies[name],
+                                      sources=sources.get(name, entry.sources))
+            if name in policies else entry
+            for name, entry in self._entries.items()
+        }
+        return PrecisionPlan(entries, default=self.default, model_type=self.model_type,
+                             modules=self.modules())
 
     def module(self, name: str) -> nn.Module | None:
         """The module named `name`, if the plan was resolved from a model that is still alive."""
@@ -398,6 +473,9 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
                 f"{e.params:,}",
                 human_bytes(e.param_bytes),
             ))
+            for fn, region in e.regions.items():  # function-form regions its forward calls
+                rows.append(("  " * (depth + 1) + f"{fn.rsplit('.', 1)[-1]}()", "function",
+                             *(dtype_name(v) for _, v in region.items()), "region", "", ""))
         lines = format_table(rows, right={7, 8})
         by_dtype = ", ".join(
             f"{dtype_name(d)} {human_bytes(n)}" for d, n in self.param_bytes_by_dtype.items()

@@ -20,7 +20,7 @@ from precision_annot.dtypes import (
 )
 
 __all__ = ["FIELDS", "PRESETS", "AutocastMode", "Policy", "PresetName", "SpecLike", "as_policy",
-           "autocast_mode", "is_boundary", "policy_from", "preset_name"]
+           "autocast_mode", "exit_dtype", "is_boundary", "policy_from", "preset_name"]
 
 FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output")
 
@@ -226,6 +226,23 @@ def is_boundary(policy: Policy, context: Policy | None, *, runs: bool = True) ->
         or policy.output is not None
         or autocast_mode(policy) != autocast_mode(context)
     )
+
+
+def exit_dtype(policy: Policy, context: Policy | None) -> tuple[torch.dtype | None, bool]:
+    """Runtime rule 4, its one home: the dtype a boundary hands its floating outputs back in.
+
+    `output` if set; else the caller's compute (`context`: the nearest running ancestor's
+    policy); else, when the caller sets no compute but this module does, the dtype of its first
+    floating input, said as (None, True); a top-level module's outputs are left as computed,
+    said as (None, False).
+    """
+    if policy.output is not None:
+        return policy.output, False
+    if context is None:
+        return None, False
+    if context.compute is not None:
+        return context.compute, False
+    return None, policy.compute is not None
 
 
 def as_policy(spec: object, *, argument: str = "spec") -> Policy:

@@ -8,20 +8,39 @@ Per field, the highest level that sets it wins:
 4. the parent's effective value (not for `output`, which applies to one module's exit, unless
    the parent is a container: it never runs, so its children carry its `output` too),
 5. `default`, at the root.
+
+A module reached by several paths (shared by two parents) is resolved under each of them; it
+has one policy, so paths that disagree are an error naming both.
 """
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from precision_annot.dtypes import dtype_name
-from precision_annot.guards import require_module
+from precision_annot.guards import require_module, warn
 from precision_annot.plan import ModulePlan, PrecisionPlan, Source, parent_name
-from precision_annot.policy import FIELDS, Policy, SpecLike, as_policy
-from precision_annot.tags import class_tag, instance_tag, scope_tag
+from precision_annot.policy import (
+    FIELDS,
+    Policy,
+    SpecLike,
+    as_policy,
+    exit_dtype,
+    is_boundary,
+)
+from precision_annot.tags import class_tag, instance_tag, region_of, scope_tag
+from precision_annot.wrappers import unwrap
 
-__all__ = ["is_container", "resolve"]
+__all__ = ["function_regions", "is_container", "resolve"]
 
 
 def is_container(module: nn.Module) -> bool:
@@ -30,18 +49,34 @@ def is_container(module: nn.Module) -> bool:
     return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
+@dataclasses.dataclass(frozen=True)
+class _Path:
+    """One path to a module, as resolved there."""
+
+    name: str
+    policy: Policy
+    container: bool
+    context: Policy | None  # the policy of the nearest running ancestor on this path
+
+
 def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
     """Compute the effective policy of every module of `model`.
 
     Args:
-        model: the module tree, annotated with `precision`, `precision_scope` or `annotate`.
+        model: the module tree, annotated with `precision`, `precision_scope` or `annotate`
+            (a wrapper such as `DistributedDataParallel` or `torch.compile`'s is seen through).
         default: the root's defaults, used for each field nothing else sets. (Default: None)
 
     Returns:
         A `PrecisionPlan` with one row per module, in `named_modules()` order.
 
     Raises:
-        ValueError: when two modules share a parameter but resolve to different storage.
+        ValueError: when two modules share a parameter but resolve to different storage or
+            comm dtypes, or one module reached by two paths resolves differently on each.
+
+    Warns:
+        UserWarning: when `default` sets nothing, because every field it sets is already set
+            on the root by an annotation or a construction scope.
 
     Example:
         >>> from torch import nn
@@ -52,91 +87,221 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
         (torch.float32, 'inherited')
     """
     require_module(model, "resolve")
+    model = unwrap(model)
     fallback = None if default is None else as_policy(default, argument="default")
     entries: dict[str, ModulePlan] = {}
     modules: dict[str, nn.Module] = {}
-    storage_owner: dict[int, tuple[str, torch.dtype, bool]] = {}
-    counted: set[int] = set()
-    for name, module in model.named_modules():
-        parent_entry = entries[parent_name(name)] if name else None
-        parent = parent_entry.policy if parent_entry else None
-        inherits = set(FIELDS) if parent_entry and parent_entry.container else (
-            set(FIELDS) - {"output"}
-        )
-        itag, ctag, stag = instance_tag(module), class_tag(type(module)), scope_tag(module)
-        values: dict[str, torch.dtype | None] = {}
-        sources: dict[str, Source | None] = {}
-        for field in FIELDS:
-            value: torch.dtype | None = None
-            source: Source | None = None
-            if itag is not None and field in itag.fields:
-                value, tag_source = itag.fields[field]
-                source = "rule" if tag_source == "rule" else "instance"
-            elif ctag is not None and getattr(ctag.policy, field) is not None:
-                value, source = getattr(ctag.policy, field), "class"
-            elif stag is not None and getattr(stag, field) is not None:
-                value, source = getattr(stag, field), "scope"
-            elif parent is not None and field in inherits and getattr(parent, field) is not None:
-                value, source = getattr(parent, field), "inherited"
-            elif parent is None and fallback is not None and getattr(fallback, field) is not None:
-                value, source = getattr(fallback, field), "default"
-            values[field] = value
-            sources[field] = source
-        policy = Policy(**values)
-        params, total = 0, 0
-        by_dtype: dict[str, int] = {}
+    first: dict[int, _Path] = {}  # id(module) -> its first path
+    paths: dict[str, _Path] = {}
+    tied: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        parent = paths[parent_name(name)] if name else None
+        policy, sources = _fields(module, parent, fallback)
+        container = is_container(module)
+        context = None if parent is None else (
+            parent.context if parent.container else parent.policy)
+        path = paths[name] = _Path(name, policy, container,
+                                   context if parent is not None else None)
+        seen = first.get(id(module))
+        if seen is not None:
+            _require_same(seen, path, runs=not container)
+            continue
+        first[id(module)] = path
+        numel: dict[torch.dtype, int] = {}
         for pname, p in module.named_parameters(recurse=False):
-            _check_tied(storage_owner, p, name, pname, policy.storage)
-            if id(p) in counted:
-                continue
-            counted.add(id(p))
-            dtype = policy.storage if policy.storage is not None and p.is_floating_point() else (
-                p.dtype
-            )
-            nbytes = p.numel() * dtype.itemsize
-            params += p.numel()
-            total += nbytes
-            by_dtype[dtype_name(dtype)] = by_dtype.get(dtype_name(dtype), 0) + nbytes
-        keep = (itag.keep_dtype if itag and itag.keep_dtype else None) or (
-            ctag.keep_dtype if ctag else ()
-        )
+            if _check_tied(tied, p, name, pname, policy):
+                stored = policy.storage if policy.storage and p.is_floating_point() else p.dtype
+                numel[stored] = numel.get(stored, 0) + p.numel()
+        keep = _keep_dtype(module)
         entries[name] = ModulePlan(
             name=name,
             type=f"{type(module).__module__}.{type(module).__qualname__}",
             policy=policy,
             sources=sources,
             keep_dtype=keep,
-            container=is_container(module),
-            params=params,
-            param_bytes=total,
-            param_dtype_bytes=by_dtype,
+            container=container,
+            numel=numel,
+            regions=function_regions(module),
         )
         modules[name] = module
+    if fallback is not None:
+        _warn_if_default_unused(fallback, entries[""])
     return PrecisionPlan(
         entries, default=fallback, model_type=type(model).__qualname__, modules=modules
     )
 
 
+def _fields(module: nn.Module, parent: _Path | None, fallback: Policy | None
+            ) -> tuple[Policy, dict[str, Source | None]]:
+    """One module's policy on one path, and per field where it came from."""
+    inherits = set(FIELDS) if parent is not None and parent.container else (
+        set(FIELDS) - {"output"})
+    itag, ctag, stag = instance_tag(module), class_tag(type(module)), scope_tag(module)
+    values: dict[str, torch.dtype | None] = {}
+    sources: dict[str, Source | None] = {}
+    for field in FIELDS:
+        value: torch.dtype | None = None
+        source: Source | None = None
+        if itag is not None and field in itag.fields:
+            value, tag_source = itag.fields[field]
+            source = "rule" if tag_source == "rule" else "instance"
+        elif ctag is not None and getattr(ctag.policy, field) is not None:
+            value, source = getattr(ctag.policy, field), "class"
+        elif stag is not None and getattr(stag, field) is not None:
+            value, source = getattr(stag, field), "scope"
+        elif (parent is not None and field in inherits
+              and getattr(parent.policy, field) is not None):
+            value, source = getattr(parent.policy, field), "inherited"
+        elif parent is None and fallback is not None and getattr(fallback, field) is not None:
+            value, source = getattr(fallback, field), "default"
+        values[field] = value
+        sources[field] = source
+    return Policy(**values), sources
+
+
+def _keep_dtype(module: nn.Module) -> tuple[str | int, ...]:
+    itag, ctag = instance_tag(module), class_tag(type(module))
+    return (itag.keep_dtype if itag and itag.keep_dtype else None) or (
+        ctag.keep_dtype if ctag else ())
+
+
+def _require_same(first: _Path, again: _Path, *, runs: bool) -> None:
+    """A module reached by a second path runs once per call with one boundary: its policy, its
+    boundary and its exit dtype must be what its first path gives."""
+    def what(path: _Path) -> tuple[Policy, bool, tuple[torch.dtype | None, bool]]:
+        boundary = is_boundary(path.policy, path.context, runs=runs)
+        exit_to = exit_dtype(path.policy, path.context) if boundary else (None, False)
+        return path.policy, boundary, exit_to
+
+    one, two = what(first), what(again)
+    if one == two:
+        return
+
+    def say(path: _Path, info: tuple[Policy, bool, tuple[torch.dtype | None, bool]]) -> str:
+        policy, boundary, (exit_to, to_input) = info
+        text = str(policy)
+        if boundary and one[0] == two[0]:
+            text += (", hands its output back in the input's dtype" if to_input else
+                     f", hands its output back in {dtype_name(exit_to)}" if exit_to else
+                     ", a boundary")
+        elif one[0] == two[0]:
+            text += ", not a boundary"
+        return f"{text} under {parent_name(path.name) or '(root)'!r}"
+
+    fix = ("set output= on it so that both callers get the same dtype back"
+           if one[0] == two[0] else
+           "annotate the module itself (precision(...)(module)) so that both paths agree")
+    raise ValueError(
+        f"Module {first.name!r} is also reached as {again.name!r} (one module shared by two "
+        f"parents), and the two paths resolve it differently: {say(first, one)}; "
+        f"{say(again, two)}. One module runs with one policy: {fix}, or use two modules."
+    )
+
+
+def _warn_if_default_unused(fallback: Policy, root: ModulePlan) -> None:
+    given = [f for f, v in fallback.items() if v is not None]
+    if not given or any(root.sources[f] == "default" for f in given):
+        return
+    setters = ", ".join(f"{f}={dtype_name(getattr(root.policy, f))} ({root.sources[f]})"
+                        for f in given)
+    warn(
+        f"resolve: default={str(fallback)!r} sets nothing: the root already sets every field it "
+        f"gives ({setters}), and the root's own annotations and construction scope outrank the "
+        "default. To change them, annotate the root (annotate(model, {'': ...})) or build the "
+        "model outside its precision_scope.")
+
+
 def _check_tied(
-    owners: dict[int, tuple[str, torch.dtype, bool]],
+    owners: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None]],
     param: nn.Parameter,
     module_name: str,
     param_name: str,
-    storage: torch.dtype | None,
-) -> None:
-    """A shared parameter has one dtype: every owner must plan the same one. An owner that
-    leaves storage unset plans the dtype the parameter has now."""
+    policy: Policy,
+) -> bool:
+    """A shared parameter has one dtype and one comm dtype: every owner must plan the same.
+    An owner that leaves storage unset plans the dtype the parameter has now. True the first
+    time a parameter is seen (count it), False after."""
+    storage, comm = policy.storage, policy.comm
+    target = storage if storage is not None and param.is_floating_point() else param.dtype
+    first = owners.get(id(param))
+    if first is None:
+        owners[id(param)] = (module_name, target, storage is None, comm)
+        return True
     if not param.is_floating_point():
-        return
-    target = storage if storage is not None else param.dtype
-    first = owners.setdefault(id(param), (module_name, target, storage is None))
-    if first[1] != target:
-        def says(dtype: torch.dtype, unset: bool) -> str:
-            return f"storage={dtype_name(dtype)}" + (", unset: it keeps its dtype" if unset else "")
+        return False
 
+    def says(dtype: torch.dtype, unset: bool) -> str:
+        return f"storage={dtype_name(dtype)}" + (", unset: it keeps its dtype" if unset else "")
+
+    owner = first[0] or "(root)"
+    if first[1] != target:
         raise ValueError(
-            f"Parameter {param_name!r} is shared by modules {first[0] or '(root)'!r} "
+            f"Parameter {param_name!r} is shared by modules {owner!r} "
             f"({says(first[1], first[2])}) and {module_name or '(root)'!r} "
             f"({says(target, storage is None)}). A shared parameter has one storage dtype: "
             "annotate both modules with the same storage."
         )
+    if first[3] != comm:
+        raise ValueError(
+            f"Parameter {param_name!r} is shared by modules {owner!r} "
+            f"(comm={dtype_name(first[3])}) and {module_name or '(root)'!r} "
+            f"(comm={dtype_name(comm)}). A shared parameter's gradient is reduced once, in one "
+            "dtype, and backends would each pick another: annotate both modules with the same "
+            "comm."
+        )
+    return False
+
+
+# -- function-form regions --------------------------------------------------------------------
+
+_REGIONS: weakref.WeakKeyDictionary[Any, dict[str, Policy]] = weakref.WeakKeyDictionary()
+
+
+def function_regions(module: nn.Module) -> dict[str, Policy]:
+    """The function-form regions (`precision(...)(fn)`) the module's forward refers to, by
+    qualified name: functions named in its code that are module globals of its file or
+    attributes of its class. Read from the code, so a region reached only through another
+    object is not found (`audit` still sees it run)."""
+    forward = _own_forward(module)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return {}
+    key = getattr(forward, "__func__", forward)
+    cached = _REGIONS.get(key)
+    if cached is None:
+        cached = {}
+        namespace = getattr(forward, "__globals__", {})
+        for word in sorted(set(_names(code))):
+            found = namespace.get(word)
+            if found is None:
+                found = _class_attribute(type(module), word)
+            region = region_of(found)
+            if region is not None:
+                cached[getattr(found, "__qualname__", word)] = region
+        with contextlib.suppress(TypeError):  # not weak-referenceable: not cached
+            _REGIONS[key] = cached
+    return dict(cached)
+
+
+def _own_forward(module: nn.Module) -> Callable[..., Any]:
+    """The forward the module's own code is in, under any wrapper (a boundary, Accelerate's)."""
+    forward: Callable[..., Any] = module.__dict__.get("forward") or type(module).forward
+    try:
+        found: Callable[..., Any] = inspect.unwrap(forward)
+    except ValueError:  # a cycle of __wrapped__
+        return forward
+    return found
+
+
+def _names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    try:
+        return inspect.getattr_static(cls, name)
+    except AttributeError:
+        return None

@@ -1,72 +1,74 @@
-"""`apply` and `remove`: make a plan real with storage casts and boundary forwards.
+"""`apply` and `remove`: install what `compile_plan` says runs, and take it off again.
 
-`apply` works out the whole target state first (each tensor's dtype, each boundary's
-`BoundarySpec`, the tensors each boundary sees in its compute dtype), compares it with what
-the model holds now, and only then changes the model. Nothing is changed when the plan is
-already real, and a failure while preparing leaves the model as it was.
+`apply` compiles the plan into an `Execution` (each tensor's dtype, each boundary and entry
+guard), compares it with what the model holds now, and only then changes the model: nothing
+is changed when the plan is already real, and a failure while preparing leaves the model as it
+was. What it leaves on each module is kept by one `ModuleState` per module, the only code that
+writes to a module's `__dict__`, `_parameters` and `_buffers`; the model's root keeps the
+`AppliedState`: the plan, the execution, and each tensor's dtype before the first `apply`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from precision_annot.boundary import (
-    Boundary,
-    BoundarySpec,
-    CastingDict,
-    Planned,
-    Region,
-    keep_binding,
-)
+from precision_annot.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
 from precision_annot.dtypes import dtype_name, wider
-from precision_annot.guards import require_module, require_plan
-from precision_annot.plan import ModulePlan, PrecisionPlan, nearest
-from precision_annot.policy import SpecLike, autocast_mode
+from precision_annot.execution import Execution, Key, Kind, Site, compile_plan
+from precision_annot.guards import require_module, require_plan, warn
+from precision_annot.plan import PrecisionPlan
+from precision_annot.policy import SpecLike
 from precision_annot.resolution import is_container, resolve
+from precision_annot.wrappers import unwrap
 
-__all__ = ["apply", "applied_plan", "check_matches", "find_boundary", "installed_boundaries",
-           "remove"]
+__all__ = ["AppliedState", "ModuleState", "apply", "applied_plan", "check_matches",
+           "find_boundary", "installed_boundaries", "plan_of", "remove"]
 
 M = TypeVar("M", bound=nn.Module)
 
 _STATE_ATTR = "_precision_annot_state"
 _REPLICATE = "_replicate_for_data_parallel"
 
-Key = tuple[str, str, str]  # module name, "param" | "buffer", tensor name
 
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class AppliedState:
-    """What `apply` left on the model's root: the plan, and each floating tensor's dtype before
-    the first `apply`, so that `remove` can give it back."""
+    """What `apply` keeps on the model's root: the plan, what it compiled to, and each
+    floating tensor's dtype before the first `apply`, so that `remove` can give it back. Its
+    identity marks the model's forward for the entry guards."""
 
     plan: PrecisionPlan
-    check: bool
+    execution: Execution
     originals: dict[Key, torch.dtype]
+    drift_warned: bool = False
 
+    def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
+        """Say once per apply that tensors left their planned dtypes."""
+        if self.drift_warned:
+            return
+        self.drift_warned = True
+        warn(
+            f"{how} changed tensors of an applied model away from the plan (first: {where!r} "
+            f"is {dtype_name(now)}, planned {dtype_name(planned)}). Its boundaries still cast, "
+            "but these tensors now compute and are updated in the new dtype. Call "
+            "precision_annot.apply(model, plan) again to restore the plan (or "
+            "precision_annot.remove(model) first to run without it).")
 
-@dataclasses.dataclass
-class _Install:
-    spec: BoundarySpec
-    region: Region | None
-    planned: tuple[Planned, ...]
-
-
-@dataclasses.dataclass
-class _Layout:
-    """The target state of one apply."""
-
-    casts: list[tuple[Key, nn.Module, torch.Tensor, torch.dtype]]
-    current: dict[Key, torch.dtype]  # every floating tensor's dtype now
-    boundaries: dict[str, _Install]
-    casting_dicts: dict[tuple[str, str], tuple[Region, frozenset[str]]]
-    reprs: dict[str, str]
+    def check_loaded(self, model: nn.Module, incompatible: Any) -> None:
+        """`load_state_dict` post hook: `assign=True` may have put tensors of other dtypes."""
+        named = dict(model.named_modules())
+        for (name, kind, tname), target in self.execution.targets.items():
+            module = named.get(name)
+            tensor = None if module is None else get_tensor(module, kind, tname)
+            if tensor is not None and tensor.dtype != target.dtype:
+                self.warn_drift(f"{name}.{tname}" if name else tname, target.dtype,
+                                tensor.dtype, "load_state_dict")
+                return
 
 
 class ReprSuffix:
@@ -104,7 +106,137 @@ class Replicate:
         if isinstance(text, ReprSuffix):
             replica.__dict__["extra_repr"] = ReprSuffix(replica, text.text, text.inner)
         replica.__dict__[_REPLICATE] = Replicate(replica)
+        replica.__dict__.pop(ModuleState.ATTR, None)
+        replica.__dict__.pop("_apply", None)
         return replica
+
+
+class ConversionWatch:
+    """`module._apply` for a module holding planned tensors: `.to()`, `.half()`, `.float()`
+    and the like reach every module through it, so after one, the module checks its own
+    tensors against the plan and the model says once that they left it. Nothing runs per
+    forward call."""
+
+    def __init__(self, module: nn.Module, name: str, planned: tuple[tuple[Kind, str,
+                                                                           torch.dtype], ...],
+                 state: AppliedState, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.name = name
+        self.planned = planned
+        self.state = state
+        self.inner = inner
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        module = self.module
+        if self.inner is not None:
+            out = self.inner(fn, recurse)
+        else:
+            out = type(module)._apply(module, fn, recurse)  # type: ignore[no-untyped-call]
+        for kind, tname, dtype in self.planned:
+            tensor = get_tensor(module, kind, tname)
+            if tensor is not None and tensor.dtype != dtype:
+                where = f"{self.name}.{tname}" if self.name else tname
+                self.state.warn_drift(where, dtype, tensor.dtype,
+                                      "A conversion (model.to, .half, .float, ...)")
+                break
+        return out
+
+
+class ModuleState:
+    """What `apply` leaves on one module, as FSDP2 keeps one state per module: its boundary
+    or entry guard, the parameter and buffer dicts that hand out compute-dtype copies, its
+    repr suffix and its conversion watch. The only writer of a module's `__dict__`,
+    `_parameters` and `_buffers` in this package."""
+
+    ATTR = "_precision_annot"
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+        self.boundary: Boundary | None = None
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModuleState | None:
+        state = module.__dict__.get(cls.ATTR)
+        return state if isinstance(state, ModuleState) else None
+
+    # -- tensors ----------------------------------------------------------------------------
+    def cast(self, kind: Kind, name: str, value: torch.Tensor) -> None:
+        """Give a parameter (the same object, new data) or a buffer (a new tensor) a value
+        cast to another dtype."""
+        module = self.module
+        tensor = get_tensor(module, kind, name)
+        if kind == "param" and tensor is not None:
+            with torch.no_grad():
+                tensor.data = value
+                if tensor.grad is not None:
+                    tensor.grad = tensor.grad.to(value.dtype)
+        else:
+            set_tensor(module, kind, name, value)
+
+    # -- installing -------------------------------------------------------------------------
+    def install(self, site: Site | None, casting: Mapping[Kind, tuple[Region, frozenset[str]]],
+                text: str | None, planned: tuple[tuple[Kind, str, torch.dtype], ...],
+                owner: AppliedState) -> None:
+        module = self.module
+        d = module.__dict__
+        for kind, (region, upcast_only) in casting.items():
+            attr = "_parameters" if kind == "param" else "_buffers"
+            d[attr] = CastingDict(dict(d[attr]), region, upcast_only)
+        if site is not None:
+            buried, direct = find_boundary(module)
+            swap = site.swap if site.guard else site.region
+            if buried is not None and not direct:  # another library wrapped our forward
+                buried.configure(site.spec, site.region, site.planned, swap)
+                buried.owner, buried.guard = owner, site.guard
+                self.boundary = buried
+            else:
+                self.boundary = Boundary(module, site.spec, inner=d.get("forward"),
+                                         region=site.region, swap=swap, planned=site.planned,
+                                         owner=owner, guard=site.guard)
+                d["forward"] = self.boundary
+            d[_REPLICATE] = Replicate(module)
+        if text is not None:
+            d["extra_repr"] = ReprSuffix(module, text, d.get("extra_repr"))
+        if planned:
+            d["_apply"] = ConversionWatch(module, self.name, planned, owner, d.get("_apply"))
+        d[self.ATTR] = self
+
+    def intact(self, site: Site | None) -> bool:
+        """True when what `install` left is still there and does what `site` says."""
+        boundary = find_boundary(self.module)[0]
+        if site is None:
+            return boundary is None or not boundary.active
+        return boundary is self.boundary and boundary is not None and boundary.active
+
+    @staticmethod
+    def strip(module: nn.Module) -> None:
+        """Take off everything this package put on `module`, found by type, so that what an
+        earlier apply (or a copy of an applied model) left goes too."""
+        d = module.__dict__
+        boundary, direct = find_boundary(module)
+        if boundary is not None:
+            if direct:
+                if boundary.inner is None:
+                    del d["forward"]
+                else:
+                    d["forward"] = boundary.inner
+            else:
+                boundary.configure(None, None, ())  # wrapped by another library: pass through
+        for attr, kind in (("extra_repr", ReprSuffix), ("_apply", ConversionWatch)):
+            value = d.get(attr)
+            if isinstance(value, kind):
+                if value.inner is None:
+                    del d[attr]
+                else:
+                    d[attr] = value.inner
+        if isinstance(d.get(_REPLICATE), Replicate):
+            del d[_REPLICATE]
+        for attr in ("_parameters", "_buffers"):
+            store = d.get(attr)
+            if isinstance(store, CastingDict):
+                d[attr] = dict(store.items())
+        d.pop(ModuleState.ATTR, None)
 
 
 # -- finding what is installed --------------------------------------------------------------------
@@ -130,21 +262,48 @@ def find_boundary(module: nn.Module) -> tuple[Boundary | None, bool]:
 
 
 def installed_boundaries(model: nn.Module) -> list[str]:
-    """Names of the modules whose forward runs an active `Boundary`, even one that another
-    library has wrapped since."""
-    return [n for n, m in model.named_modules() if (b := find_boundary(m)[0]) and b.active]
+    """Names of the modules whose forward runs an active `Boundary` (entry guards are not
+    boundaries), even one that another library has wrapped since."""
+    return [n for n, m in unwrap(model).named_modules()
+            if (b := find_boundary(m)[0]) and b.active and not b.guard]
 
 
 def applied_plan(model: nn.Module) -> PrecisionPlan | None:
-    """The plan `apply` last made real on `model`, or None."""
+    """The plan `apply` last made real on `model` (seen through wrappers), or None."""
+    model = unwrap(model)
     state: AppliedState | None = model.__dict__.get(_STATE_ATTR)
     if state is None:
         return None
-    if state.plan.module("") is not model:  # a copy or an unpickled model: bind to this one
-        named = dict(model.named_modules())
-        if all(n in named for n in state.plan):
-            state.plan = state.plan.bound_to(named)
-    return state.plan
+    plan = state.plan
+    named = dict(model.named_modules())
+    stale = any(plan.module(n) is not named.get(n) for n in plan)  # a copy, or unpickled
+    if stale and all(n in named for n in plan):
+        state.plan = plan = plan.bound_to(named)
+    return plan
+
+
+def plan_of(model: nn.Module, default: SpecLike | None = None, *, where: str = "") -> PrecisionPlan:
+    """The plan an entry point starts from: the one `apply` made real on the model (seen
+    through wrappers), else its annotations resolved with `default`.
+
+    A `default` given for a model that already has a plan is not used; when it would resolve
+    to another plan, a `UserWarning` says so."""
+    inner = unwrap(model)
+    applied = applied_plan(inner)
+    if applied is None:
+        return resolve(inner, default)
+    if default is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            other = resolve(inner, default)
+        if [e.policy for e in other.values()] != [e.policy for e in applied.values()]:
+            warnings.warn(
+                f"{where or 'This entry point'} was given default={default!r}, but the model "
+                "already has a plan applied, which differs from the model's annotations with "
+                "that default; the applied plan is used. To use the default, "
+                "precision_annot.remove(model) first, or apply(model, default=...) again.",
+                UserWarning, stacklevel=3)
+    return applied
 
 
 # -- the target state -----------------------------------------------------------------------------
@@ -185,195 +344,30 @@ def _for_model(plan: PrecisionPlan, named: dict[str, nn.Module]) -> PrecisionPla
                          modules=plan.modules())
 
 
-def _forward_of(module: nn.Module) -> tuple[Callable[..., Any], bool]:
-    """The forward a boundary on `module` wraps, and whether it still takes `self`."""
-    own = module.__dict__.get("forward")
-    if own is not None and not isinstance(own, Boundary):
-        return own, False
-    return type(module).forward, True
-
-
-def _exit(entry: ModulePlan, context: ModulePlan | None) -> tuple[torch.dtype | None, bool]:
-    """Runtime rule 4: `output` if set, else the caller's compute, else the input's dtype;
-    a top-level module's outputs are left as computed."""
-    if entry.policy.output is not None:
-        return entry.policy.output, False
-    if context is None:
-        return None, False
-    if context.policy.compute is not None:
-        return context.policy.compute, False
-    return None, entry.policy.compute is not None
-
-
-def _layout(plan: PrecisionPlan, named: dict[str, nn.Module], check: bool) -> _Layout:
-    casts: list[tuple[Key, nn.Module, torch.Tensor, torch.dtype]] = []
-    current: dict[Key, torch.dtype] = {}
-    planned_dtype: dict[Key, torch.dtype] = {}
-    for name, module in named.items():
-        storage = plan[name].policy.storage
-        for pname, p in module._parameters.items():
-            if p is None or not p.is_floating_point():
-                continue
-            target = storage or p.dtype
-            key = (name, "param", pname)
-            current[key], planned_dtype[key] = p.dtype, target
-            if p.dtype != target:
-                casts.append((key, module, p, target))
-        for bname, b in module._buffers.items():
-            if b is None or not b.is_floating_point():
-                continue
-            persistent = bname not in module._non_persistent_buffers_set
-            target = storage if storage is not None and persistent else b.dtype
-            key = (name, "buffer", bname)
-            current[key], planned_dtype[key] = b.dtype, target
-            if b.dtype != target:
-                casts.append((key, module, b, target))
-
-    checked_root = {""} if check and not plan.root.container else set()
-    owner = nearest(named, set(plan.boundaries) | checked_root)
-    boundaries: dict[str, _Install] = {}
-    for name, module in named.items():
-        entry = plan[name]
-        if entry.container and entry.keep_dtype:
-            warnings.warn(f"keep_dtype={entry.keep_dtype} on {name or '(root)'!r} is ignored: "
-                          f"{type(module).__name__} has no forward of its own, so nothing "
-                          "passes through it.", UserWarning, stacklevel=3)
-    members: dict[str, list[str]] = {}
-    for name in named:
-        if owner[name] is not None:
-            members.setdefault(owner[name], []).append(name)  # type: ignore[arg-type]
-
-    casting_dicts: dict[tuple[str, str], tuple[Region, frozenset[str]]] = {}
-    for name, names in members.items():
-        entry = plan[name]
-        policy = entry.policy
-        exit_dtype, exit_to_input = _exit(entry, plan.context(name))
-        forward, method = _forward_of(named[name])
-        positions, kept = keep_binding(forward, entry.keep_dtype,
-                                       f"the forward of {name or '(root)'!r}", method=method)
-        mode = autocast_mode(policy) if entry.boundary else None
-        spec = BoundarySpec(
-            name=name,
-            compute=policy.compute if entry.boundary else None,
-            mode=mode,
-            exit=exit_dtype if entry.boundary else None,
-            exit_to_input=exit_to_input and entry.boundary,
-            keep_positions=positions,
-            keep_names=kept,
-            check=check,
-        )
-        prefix = f"{name}." if name else ""
-        planned = tuple(
-            Planned(member.removeprefix(prefix) if member != name else "", kind, tname, dtype)
-            for (member, kind, tname), dtype in planned_dtype.items() if member in names
-        )
-        region = None
-        if mode == "off" and policy.compute is not None:
-            region_members = []
-            compute = policy.compute
-            probe = Region(compute, ())
-            for member in names:
-                module = named[member]
-                path = member.removeprefix(prefix) if member != name else ""
-                non_persistent = frozenset(module._non_persistent_buffers_set)
-                for kind, store in (("param", module._parameters), ("buffer", module._buffers)):
-                    for tname, t in store.items():
-                        if t is None or not t.is_floating_point():
-                            continue
-                        upcast_only = kind == "buffer" and tname in non_persistent
-                        dtype = planned_dtype[(member, kind, tname)]
-                        if probe.needs(torch.empty(0, dtype=dtype), upcast_only):
-                            region_members.append((path, kind, tname, upcast_only))
-            if region_members:
-                region = Region(compute, tuple(region_members))
-                for path, kind, _, _ in region_members:
-                    member = f"{prefix}{path}" if path else name
-                    casting_dicts[(member, kind)] = (
-                        region, frozenset(named[member]._non_persistent_buffers_set)
-                        if kind == "buffer" else frozenset())
-        boundaries[name] = _Install(spec, region, planned)
-
-    reprs = {}
-    for name, entry in plan.items():
-        if not entry.policy.is_empty():
-            reprs[name] = str(entry.policy) + ("*" if entry.boundary else "")
-    return _Layout(casts, current, boundaries, casting_dicts, reprs)
-
-
-def _is_real(model: nn.Module, named: dict[str, nn.Module], layout: _Layout) -> bool:
-    """True when the model already holds exactly this target state."""
-    if layout.casts:
+def _is_real(state: AppliedState | None, plan: PrecisionPlan, execution: Execution,
+             named: dict[str, nn.Module]) -> bool:
+    """True when the model already holds exactly this execution."""
+    if state is None or state.plan != plan or state.execution != execution:
         return False
+    for (name, kind, tname), target in execution.targets.items():
+        tensor = get_tensor(named[name], kind, tname)
+        if tensor is None or tensor.dtype != target.dtype:
+            return False
     for name, module in named.items():
-        boundary = find_boundary(module)[0]
-        want = layout.boundaries.get(name)
-        if want is None:
-            if boundary is not None and boundary.active:
-                return False
-            continue
-        if boundary is None or boundary.spec != want.spec or boundary.planned != want.planned:
+        own = ModuleState.of(module)
+        if own is None or not own.intact(execution.sites.get(name)):
             return False
-        if (boundary.region is None) != (want.region is None) or (
-            boundary.region is not None and want.region is not None
-            and (boundary.region.compute, boundary.region.members)
-            != (want.region.compute, want.region.members)
-        ):
-            return False
-        for kind in ("param", "buffer"):
-            store = module.__dict__["_parameters" if kind == "param" else "_buffers"]
-            wanted = layout.casting_dicts.get((name, kind))
-            if isinstance(store, CastingDict) != (wanted is not None):
-                return False
-    return all(isinstance(m.__dict__.get("extra_repr"), ReprSuffix) == (n in layout.reprs)
-               for n, m in named.items())
+    return True
 
 
 # -- changing the model ---------------------------------------------------------------------------
 
-def _strip(model: nn.Module) -> None:
-    """Take every boundary, casting dict, repr suffix and replica hook off the tree."""
-    for module in model.modules():
-        boundary, direct = find_boundary(module)
-        if boundary is not None:
-            if direct:
-                if boundary.inner is None:
-                    del module.__dict__["forward"]
-                else:
-                    module.__dict__["forward"] = boundary.inner
-            else:
-                boundary.configure(None, None, ())  # wrapped by another library: pass through
-        text = module.__dict__.get("extra_repr")
-        if isinstance(text, ReprSuffix):
-            if text.inner is None:
-                del module.__dict__["extra_repr"]
-            else:
-                module.__dict__["extra_repr"] = text.inner
-        if isinstance(module.__dict__.get(_REPLICATE), Replicate):
-            del module.__dict__[_REPLICATE]
-        for attr in ("_parameters", "_buffers"):
-            store = module.__dict__.get(attr)
-            if isinstance(store, CastingDict):
-                module.__dict__[attr] = dict(store.items())
-
-
-def _set_dtype(module: nn.Module, kind: str, name: str, tensor: torch.Tensor,
-               value: torch.Tensor) -> None:
-    """Give a parameter (same object, new data) or buffer (new tensor) a cast value."""
-    if kind == "param":
-        with torch.no_grad():
-            tensor.data = value
-            if tensor.grad is not None:
-                tensor.grad = tensor.grad.to(value.dtype)
-    else:
-        module._buffers[name] = value
-
-
 def _warn_rounded_again(originals: dict[Key, torch.dtype],
-                        prepared: list[tuple[Key, nn.Module, torch.Tensor, torch.Tensor]]) -> None:
+                        prepared: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
     """A tensor stored narrower than it was before the first apply (by an earlier plan, or a
     `model.half()` since), cast to another dtype now, is cast from its narrowed values: the new
     dtype does not bring back the bits dropped before."""
-    rounded = [(key, tensor.dtype, value.dtype) for key, _, tensor, value in prepared
+    rounded = [(key, tensor.dtype, value.dtype) for key, tensor, value in prepared
                if key in originals and wider(originals[key], tensor.dtype)]
     if not rounded:
         return
@@ -389,10 +383,15 @@ def _warn_rounded_again(originals: dict[Key, torch.dtype],
 
 def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
     """Originals recorded by earlier applies on this model or its submodules, as this model's
-    names; their states are dropped, since this apply now owns the tree."""
+    names; their states are dropped (and their load hooks removed), since this apply now owns
+    the tree."""
     originals: dict[Key, torch.dtype] = {}
     for name, module in model.named_modules():
         state: AppliedState | None = module.__dict__.pop(_STATE_ATTR, None)
+        hooks = module._load_state_dict_post_hooks
+        for key in [k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None),
+                                                                 AppliedState)]:
+            del hooks[key]
         if state is None:
             continue
         prefix = f"{name}." if name else ""
@@ -416,17 +415,19 @@ def apply(
     boundary module's forward casts floating inputs to its compute dtype at entry, runs under
     autocast (compute below storage) or with autocast disabled (its tensors seen in the compute
     dtype where they differ), and casts outputs at exit to `output`, else to the caller's
-    compute dtype. Modules that are not boundaries are not touched.
+    compute dtype. A module with submodules that can be called on its own (an encoder) gets an
+    entry guard, so that called directly it runs as planned. Other modules are not touched.
 
     Call it before building the optimizer: it changes the dtype of parameters, and an
     optimizer that already holds state for them keeps that state in the old dtype.
 
     `apply` is idempotent and atomic: when the plan is already real nothing changes, and on
     any error the model is left as it was. Call it again after `model.half()`,
-    `model.to(dtype)` or `load_state_dict(assign=True)` to restore the plan. `remove` undoes it.
+    `model.to(dtype)` or `load_state_dict(assign=True)` (a warning says when one of them
+    moved tensors off the plan) to restore the plan. `remove` undoes it.
 
     Args:
-        model: the module tree.
+        model: the module tree (a wrapper such as `torch.compile`'s is seen through).
         plan: a plan from `resolve` or `PrecisionPlan.from_json`; resolved from `model` when
             None. (Default: None)
         default: the root's defaults, used only when `plan` is None. (Default: None)
@@ -458,46 +459,45 @@ def apply(
         require_plan(plan, "apply")
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
-    named = dict(model.named_modules())
+    root = unwrap(model)
+    named = dict(root.named_modules())
     check_matches(plan, named)
     plan = _for_model(plan, named)
-    layout = _layout(plan, named, check_finite)
-    state: AppliedState | None = model.__dict__.get(_STATE_ATTR)
-    if (state is not None and state.plan == plan and state.check == check_finite
-            and _is_real(model, named, layout)):
+    execution = compile_plan(plan, named, check=check_finite)
+    if _is_real(root.__dict__.get(_STATE_ATTR), plan, execution, named):
         return model
 
     # Prepare everything that can fail (the casts) before changing anything.
-    prepared = [(key, module, tensor, tensor.to(dtype)) for key, module, tensor, dtype in
-                layout.casts]
+    prepared: list[tuple[Key, torch.Tensor, torch.Tensor]] = []
+    current: dict[Key, torch.dtype] = {}
+    for key, target in execution.targets.items():
+        tensor = get_tensor(named[key[0]], key[1], key[2])
+        assert tensor is not None
+        current[key] = tensor.dtype
+        if tensor.dtype != target.dtype:
+            prepared.append((key, tensor, tensor.to(target.dtype)))
 
-    originals = _absorb_nested(model)
+    originals = _absorb_nested(root)
     _warn_rounded_again(originals, prepared)
-    for key, dtype in layout.current.items():  # kept from the first apply, if there was one
+    for key, dtype in current.items():  # kept from the first apply, if there was one
         originals.setdefault(key, dtype)
-    _strip(model)
-    for key, module, tensor, value in prepared:
-        _set_dtype(module, key[1], key[2], tensor, value)
-    for (name, kind), (region, upcast_only) in layout.casting_dicts.items():
-        attr = "_parameters" if kind == "param" else "_buffers"
-        module = named[name]
-        module.__dict__[attr] = CastingDict(dict(module.__dict__[attr]), region,
-                                            upcast_only if kind == "buffer" else frozenset())
-    for name, install in layout.boundaries.items():
-        module = named[name]
-        boundary, direct = find_boundary(module)
-        if boundary is not None and not direct:
-            boundary.configure(install.spec, install.region, install.planned)
-        else:
-            module.__dict__["forward"] = Boundary(
-                module, install.spec, inner=module.__dict__.get("forward"),
-                region=install.region, planned=install.planned,
-            )
-        module.__dict__[_REPLICATE] = Replicate(module)
-    for name, text in layout.reprs.items():
-        module = named[name]
-        module.__dict__["extra_repr"] = ReprSuffix(module, text, module.__dict__.get("extra_repr"))
-    object.__setattr__(model, _STATE_ATTR, AppliedState(plan, check_finite, originals))
+    for module in named.values():
+        ModuleState.strip(module)
+    states = {name: ModuleState(module, name) for name, module in named.items()}
+    for (name, kind, tname), _, cast in prepared:
+        states[name].cast(kind, tname, cast)
+    state = AppliedState(plan, execution, originals)
+    casting: dict[str, dict[Kind, tuple[Region, frozenset[str]]]] = {}
+    for (name, kind), entry in execution.casting.items():
+        casting.setdefault(name, {})[kind] = entry
+    planned: dict[str, list[tuple[Kind, str, torch.dtype]]] = {}
+    for (name, kind, tname), target in execution.targets.items():
+        planned.setdefault(name, []).append((kind, tname, target.dtype))
+    for name, module_state in states.items():
+        module_state.install(execution.sites.get(name), casting.get(name, {}),
+                             execution.reprs.get(name), tuple(planned.get(name, ())), state)
+    root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
+    object.__setattr__(root, _STATE_ATTR, state)
     return model
 
 
@@ -515,15 +515,14 @@ def remove(model: M) -> M:
         torch.float32
     """
     require_module(model, "remove")
-    originals = _absorb_nested(model)
-    _strip(model)
-    named = dict(model.named_modules())
+    root = unwrap(model)
+    originals = _absorb_nested(root)
+    named = dict(root.named_modules())
+    for module in named.values():
+        ModuleState.strip(module)
     for (name, kind, tname), dtype in originals.items():
         module = named.get(name)
-        if module is None:
-            continue
-        store = module._parameters if kind == "param" else module._buffers
-        tensor = store.get(tname)
-        if tensor is not None and tensor.dtype != dtype:
-            _set_dtype(module, kind, tname, tensor, tensor.detach().to(dtype))
+        tensor = None if module is None else get_tensor(module, kind, tname)
+        if module is not None and tensor is not None and tensor.dtype != dtype:
+            ModuleState(module, name).cast(kind, tname, tensor.detach().to(dtype))
     return model

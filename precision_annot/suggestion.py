@@ -38,13 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from precision_annot.casting import floating_leaves, map_tree
 from precision_annot.dtypes import LOW_PRECISION, dtype_name, fp16, fp32
 from precision_annot.guards import require_module
-from precision_annot.plan import (
-    ModulePlan,
-    PrecisionPlan,
-    Source,
-    format_table,
-    parent_name,
-)
+from precision_annot.plan import PrecisionPlan, Source, format_table, parent_name
 from precision_annot.policy import Policy, SpecLike, as_policy
 from precision_annot.resolution import resolve
 from precision_annot.runtime import apply, remove
@@ -443,20 +437,16 @@ def _plan(structure: PrecisionPlan, policy: Policy, islands: list[str],
           modules: dict[str, nn.Module] | None) -> PrecisionPlan:
     """`structure` (a resolved plan, for names, classes and kept arguments) with everything in
     `policy` but the islands and their subtrees in fp32."""
-    entries: dict[str, ModulePlan] = {}
-    for name, entry in structure.items():
+    policies: dict[str, Policy] = {}
+    sources: dict[str, dict[str, Source | None]] = {}
+    for name in structure:
         island = next((i for i in islands if name == i or name.startswith(i + ".")), None)
         chosen = ISLAND if island is not None else policy
         source: Source = "default" if not name else "rule" if island == name else "inherited"
-        storage = chosen.storage or fp32
-        entries[name] = dataclasses.replace(
-            entry, policy=chosen,
-            sources={f: (source if v is not None else None) for f, v in chosen.items()},
-            param_bytes=entry.params * storage.itemsize,
-            param_dtype_bytes={dtype_name(storage): entry.params * storage.itemsize}
-            if entry.params else {},
-        )
-    return PrecisionPlan(entries, default=policy, model_type=structure.model_type,
+        policies[name] = chosen
+        sources[name] = {f: (source if v is not None else None) for f, v in chosen.items()}
+    planned = structure.with_policies(policies, sources)
+    return PrecisionPlan(dict(planned.items()), default=policy, model_type=structure.model_type,
                          modules=modules)
 
 

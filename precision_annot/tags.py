@@ -16,7 +16,7 @@ from torch import nn
 from precision_annot.policy import Policy
 
 __all__ = ["ClassTag", "InstanceTag", "KeepDtype", "class_tag", "instance_tag", "keep_dtype_of",
-           "scope_tag", "tag_class", "tag_instance", "tag_scope"]
+           "region_of", "scope_tag", "tag_class", "tag_function", "tag_instance", "tag_scope"]
 
 KeepDtype: TypeAlias = tuple[str | int, ...]
 TagSource: TypeAlias = Literal["instance", "rule"]
@@ -24,6 +24,7 @@ TagSource: TypeAlias = Literal["instance", "rule"]
 CLASS_TAG = "__precision_annot_class__"
 INSTANCE_TAG = "_precision_annot_instance"
 SCOPE_TAG = "_precision_annot_scope"
+REGION_TAG = "__precision_annot_region__"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,3 +95,18 @@ def class_tag(cls: type) -> ClassTag | None:
 def scope_tag(module: nn.Module) -> Policy | None:
     tag: Policy | None = module.__dict__.get(SCOPE_TAG)
     return tag
+
+
+def tag_function(wrapper: object, policy: Policy) -> None:
+    """Mark the wrapper `precision(...)(fn)` returns as a region with this policy, so that
+    `resolve` finds it in the forwards that call it."""
+    setattr(wrapper, REGION_TAG, policy)
+
+
+def region_of(obj: object) -> Policy | None:
+    """The policy of a function-form region, or None for anything else."""
+    try:
+        found = getattr(obj, REGION_TAG, None)
+    except Exception:  # an object whose attribute access raises
+        return None
+    return found if isinstance(found, Policy) else None

@@ -18,11 +18,15 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from precision_annot.boundary import REGION_OBSERVERS
+from precision_annot.policy import Policy
+
 __all__ = ["DATA_MOVEMENT", "ModuleTracker", "Phase"]
 
 Phase: TypeAlias = Literal["forward", "backward"]
 Pre: TypeAlias = Callable[[str, nn.Module, tuple[Any, ...], dict[str, Any]], None]
 Post: TypeAlias = Callable[[str, nn.Module, Any], None]
+OnRegion: TypeAlias = Callable[[str, Policy], None]
 
 # Ops that move or select data rather than compute: a cast, a copy, a view, a concatenation, a
 # gather. Their dtype is whatever they were given, so they say nothing about compute.
@@ -49,16 +53,21 @@ class ModuleTracker:
         names: the modules to track, with the names ops are charged to.
         on_enter: called as `(name, module, args, kwargs)` before each tracked forward.
         on_exit: called as `(name, module, output)` after it.
+        on_region: when given, function-form regions (`precision(...)(fn)`) are tracked too,
+            as `module::function`, and it is called as `(that name, policy)` when one starts.
 
     Run the model in one thread while it is active: forward events from other threads are
-    ignored.
+    ignored. Its hooks stay the first to run before a module's forward and the last after it,
+    so the hooks a user registers meanwhile are charged to their module.
     """
 
     def __init__(self, names: dict[nn.Module, str], on_enter: Pre | None = None,
-                 on_exit: Post | None = None) -> None:
+                 on_exit: Post | None = None, on_region: OnRegion | None = None) -> None:
         self.names = names
         self.on_enter = on_enter
         self.on_exit = on_exit
+        self.on_region = on_region
+        self.ids: dict[nn.Module, tuple[int, int]] = {}  # the pre- and post-hook ids
         self.stack: list[str] = []
         self.seqs: list[int] = []  # sorted: a node with this sequence number or later ...
         self.owners: list[str | None] = []  # ... was made while this module was innermost
@@ -87,6 +96,10 @@ class ModuleTracker:
         name = self.names.get(module)
         if name is None or threading.get_ident() != self.thread:
             return
+        _, post = self.ids[module]
+        hooks: Any = module._forward_hooks  # an OrderedDict
+        if next(reversed(hooks)) != post:  # a hook registered since: ours runs last
+            hooks.move_to_end(post)
         if self.on_enter is not None:
             self.on_enter(name, module, args, kwargs)
         self.stack.append(name)
@@ -100,14 +113,37 @@ class ModuleTracker:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
         self._mark()
+        pre, _ = self.ids[module]
+        pre_hooks: Any = module._forward_pre_hooks  # an OrderedDict
+        if next(iter(pre_hooks)) != pre:  # one prepended since: ours runs first
+            pre_hooks.move_to_end(pre, last=False)
         if self.on_exit is not None:
             self.on_exit(name, module, output)
 
+    # a `boundary.RegionObserver`
+    def enter_region(self, function: str, policy: Policy) -> None:
+        if threading.get_ident() != self.thread or self.on_region is None:
+            return
+        name = f"{self.stack[-1] if self.stack else ''}::{function}"
+        self.on_region(name, policy)
+        self.stack.append(name)
+        self._mark()
+
+    def exit_region(self, function: str) -> None:
+        if threading.get_ident() != self.thread or self.on_region is None:
+            return
+        if self.stack and self.stack[-1].endswith(f"::{function}"):
+            self.stack.pop()
+        self._mark()
+
     def __enter__(self) -> ModuleTracker:
         for module in self.names:
-            self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(self._post, with_kwargs=True,
-                                                             always_call=True))
+            pre = module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True)
+            post = module.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+            self.handles += [pre, post]
+            self.ids[module] = (pre.id, post.id)
+        if self.on_region is not None:
+            REGION_OBSERVERS.append(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -115,3 +151,6 @@ class ModuleTracker:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.ids.clear()
+        if self in REGION_OBSERVERS:
+            REGION_OBSERVERS.remove(self)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
-from precision_annot.dtypes import dtype_name, to_dtype
+from precision_annot.dtypes import dtype_name
 from precision_annot.findings import Finding
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan
@@ -40,7 +40,7 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
 
     Args:
         plan: a plan resolved from the model DDP wraps (it finds parameters through the plan's
-            weak references).
+            weak references), e.g. `applied_plan`'s.
 
     Returns:
         `hook(state, bucket)`, for `ddp_model.register_comm_hook(state=None, hook=...)`;
@@ -140,8 +140,7 @@ def buckets(plan: PrecisionPlan, *, bucket_cap_mb: float | None = None) -> list[
     done: dict[torch.dtype, int] = {}
     out = []
     for name, entry in reversed(list(plan.items())):
-        for key, size in entry.param_dtype_bytes.items():
-            dtype = to_dtype(key)
+        for dtype, size in entry.param_dtype_bytes.items():
             names, total, comms = open_.setdefault(dtype, ([], 0, set()))
             names.append(name)
             comms.add(entry.policy.comm or dtype)
@@ -159,7 +158,7 @@ def hooked_modules(plan: PrecisionPlan) -> list[str]:
     """The modules whose gradients DDP reduces in another dtype than the plan's `comm`
     without `comm_hook` (their parameters are stored in another dtype)."""
     return [n for n, e in plan.items() if e.params and e.policy.comm is not None
-            and any(to_dtype(k) != e.policy.comm for k in e.param_dtype_bytes)]
+            and any(d.is_floating_point and d != e.policy.comm for d in e.param_dtype_bytes)]
 
 
 def registered_hooks(ddp_model: nn.Module) -> list[Callable[..., Any]] | None:

@@ -47,8 +47,8 @@ from precision_annot.findings import Finding
 from precision_annot.guards import require_module
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply
+from precision_annot.runtime import apply, plan_of
+from precision_annot.wrappers import unwrap
 
 __all__ = ["DeepSpeedPlan", "prepare", "to_config", "translate"]
 
@@ -95,21 +95,6 @@ def _param_entries(plan: PrecisionPlan) -> list[str]:
     return [name for name, e in plan.items() if e.params > 0]
 
 
-def _replan(plan: PrecisionPlan, policies: dict[str, Policy]) -> PrecisionPlan:
-    """A copy of `plan` with some modules' policies replaced (boundaries follow)."""
-    entries = {}
-    for name, entry in plan.items():
-        policy = policies.get(name, entry.policy)
-        by_dtype = dict(entry.param_dtype_bytes)
-        if policy.storage is not None and policy.storage != entry.policy.storage and by_dtype:
-            by_dtype = {dtype_name(policy.storage): entry.params * policy.storage.itemsize}
-        entries[name] = dataclasses.replace(entry, policy=policy,
-                                            param_bytes=sum(by_dtype.values()),
-                                            param_dtype_bytes=by_dtype)
-    return PrecisionPlan(entries, default=plan.default, model_type=plan.model_type,
-                         modules=plan.modules())
-
-
 def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
               warn: bool = True) -> DeepSpeedPlan:
     """The plan as DeepSpeed can run it. Mixed storage (fp32 islands in a bf16 model) becomes
@@ -118,7 +103,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
     if isinstance(model_or_plan, DeepSpeedPlan):
         return model_or_plan
     if isinstance(model_or_plan, nn.Module):
-        plan = resolve(model_or_plan)
+        plan = plan_of(model_or_plan)
     elif isinstance(model_or_plan, PrecisionPlan):
         plan = model_or_plan
     else:
@@ -140,7 +125,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
         if warn:
             warnings.warn(_mixed_storage_message(storages, len(moved), extra), UserWarning,
                           stacklevel=3)
-        plan = _replan(plan, moved)
+        plan = plan.with_policies(moved)
     names = _param_entries(plan)
     return DeepSpeedPlan(
         plan=plan,
@@ -517,6 +502,7 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
         `model`.
     """
     require_module(model, "prepare")
+    model = unwrap(model)
     dsp = translate(model if plan is None else plan)
     apply(model, dsp.plan)  # checks the plan belongs to this model, naming missing modules
     for name, module in model.named_modules():
@@ -532,7 +518,7 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
 def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:
     """What DeepSpeed will ignore, refuse or run badly for this plan with this base config,
     worked out by the same code as `to_config` and `prepare`."""
-    plan = resolve(model_or_plan) if isinstance(model_or_plan, nn.Module) else model_or_plan
+    plan = plan_of(model_or_plan) if isinstance(model_or_plan, nn.Module) else model_or_plan
     dsp = translate(plan, warn=False)
     try:
         config = _load_base(base)

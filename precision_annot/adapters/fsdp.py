@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from precision_annot.dtypes import to_dtype, widest
+from precision_annot.dtypes import dtype_name, widest
 from precision_annot.findings import Finding
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan, human_bytes, nearest, parent_name
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply
+from precision_annot.runtime import apply, plan_of
 from precision_annot.selectors import Selector, matcher
+from precision_annot.wrappers import unwrap
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
@@ -77,7 +77,8 @@ def unit_names(
         for n, e in plan.items():  # what each unit holds, and in which dtypes
             unit = owner_of[n] or ""
             held[unit] = held.get(unit, 0) + e.params
-            stored.setdefault(unit, set()).update(k for k, b in e.param_dtype_bytes.items() if b)
+            stored.setdefault(unit, set()).update(
+                dtype_name(k) for k, b in e.param_dtype_bytes.items() if b)
         for name in sorted(chosen - selected - {""}, key=lambda n: -n.count(".")):
             owner = parent_name(name)
             while owner not in chosen:
@@ -124,7 +125,7 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
     out = []
     for name in names:
         holders = [m for m in members[name] if plan[m].params]
-        storage = frozenset(to_dtype(k) for m in holders for k in plan[m].param_dtype_bytes)
+        storage = frozenset(k for m in holders for k in plan[m].param_dtype_bytes)
         stored = next(iter(storage)) if len(storage) == 1 else None
         gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
         out.append(Unit(
@@ -148,7 +149,7 @@ def _mixed(units: list[Unit], plan: PrecisionPlan) -> list[tuple[Unit, str]]:
             by_dtype: dict[str, list[str]] = {}
             for m in unit.members:
                 for key in plan[m].param_dtype_bytes:
-                    by_dtype.setdefault(key, []).append(m)
+                    by_dtype.setdefault(dtype_name(key), []).append(m)
             detail = "; ".join(f"{d}: {ns}" for d, ns in by_dtype.items())
             out.append((unit, detail))
     return out
@@ -209,7 +210,8 @@ def fully_shard(
             "precision(...) instead. Received: mp_policy="
             f"{fully_shard_kwargs['mp_policy']!r}"
         )
-    plan = resolve(model) if plan is None else plan
+    model = unwrap(model)
+    plan = plan_of(model) if plan is None else plan
     apply(model, plan)
     shards = plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))
     for unit, detail in _mixed(shards, plan)[:1]:

@@ -33,7 +33,7 @@ from torch import nn
 from precision_annot.dtypes import fp16, fp32, to_dtype, wider
 from precision_annot.plan import PrecisionPlan, parent_name
 from precision_annot.resolution import resolve
-from precision_annot.runtime import apply
+from precision_annot.runtime import apply, plan_of
 
 __all__ = ["HFKeepInFP32", "from_pretrained", "keep_in_fp32_patterns", "rules",
            "save_pretrained", "units"]
@@ -169,9 +169,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike[str],
                     plan: PrecisionPlan | None = None, **kwargs: Any) -> None:
     """`model.save_pretrained(directory, **kwargs)`, with the plan written beside it as
     `precision_plan.json`. The plan defaults to the one `apply` made real on the model."""
-    from precision_annot.runtime import applied_plan
-
-    plan = plan or applied_plan(model) or resolve(model)
+    plan = plan or plan_of(model)
     model.save_pretrained(directory, **kwargs)  # type: ignore[operator]
     Path(directory, PLAN_FILE).write_text(plan.to_json())
 

@@ -14,8 +14,7 @@ from precision_annot.dtypes import fp32
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import SpecLike, as_policy, autocast_mode, preset_name
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply
+from precision_annot.runtime import apply, plan_of
 from precision_annot.scaler import GradScaler
 
 __all__ = ["PlanPrecision", "TrainerPlanPrecision"]
@@ -56,7 +55,7 @@ class PlanPrecision:
         self.precision = "32-true"  # Lightning reads this string; set from the plan's root
 
     def plan_for(self, module: nn.Module) -> PrecisionPlan:
-        return self.given_plan or resolve(module, self.default)
+        return self.given_plan or plan_of(module, self.default, where=type(self).__name__)
 
     def apply_plan(self, module: nn.Module) -> nn.Module:
         """Apply the plan, pick the device, make a scaler for fp16, name the precision."""

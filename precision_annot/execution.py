@@ -1,0 +1,267 @@
+"""`compile_plan`: what runs at every module of a model under a plan, worked out once.
+
+A plan says what each module is declared and resolved to; an `Execution` says what runs: each
+floating tensor's planned dtype, each boundary's `BoundarySpec` (entry dtype, autocast mode,
+exit dtype, arguments kept), the parameters each boundary sees in its compute dtype (its
+`Region`), and the entry guard of each module that can be called on its own. It is pure (it
+reads the model, changes nothing) and linear in the number of modules. `apply` installs it,
+and `audit` compares what ran against it, so a runtime rule changed here changes both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import nn
+
+from precision_annot.boundary import BoundarySpec, Planned, Region, keep_binding
+from precision_annot.plan import ModulePlan, PrecisionPlan, nearest
+from precision_annot.policy import autocast_mode, exit_dtype
+
+__all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of"]
+
+Kind: TypeAlias = Literal["param", "buffer"]
+Key = tuple[str, Kind, str]  # module name, "param" | "buffer", tensor name
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One floating parameter or buffer: the dtype the plan holds it in.
+
+    Attributes:
+        dtype: its planned dtype (a non-persistent buffer's own dtype: it keeps the dtype it
+            was built in).
+        persistent: False for a non-persistent buffer.
+    """
+
+    dtype: torch.dtype
+    persistent: bool = True
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Site:
+    """What runs at one module.
+
+    Attributes:
+        spec: what its forward does at each call.
+        guard: True for an entry guard: a module that is not a boundary, but can be called on
+            its own (an encoder, a block). It acts only when called from outside its model's
+            forward: then it sets up what its boundary would have (entry cast, autocast,
+            parameters in the compute dtype); inside, it runs as the model's code says.
+        region: the tensors seen in the compute dtype while it runs, or None; an entry guard
+            shares its boundary's (the object the modules' parameter dicts know).
+        swap: for an entry guard, the part of that region under its own module, with paths
+            from it (what `torch.compile` and DataParallel replicas swap on the modules);
+            None for a boundary (its region's paths are from its own module).
+        planned: the tensors its forward reads and their planned dtypes, to explain a failure.
+    """
+
+    spec: BoundarySpec
+    guard: bool
+    region: Region | None
+    planned: tuple[Planned, ...]
+    swap: Region | None = None
+
+    def signature(self) -> tuple[Any, ...]:
+        def key(region: Region | None) -> Any:
+            return None if region is None else (region.compute, region.members)
+
+        return self.spec, self.guard, key(self.region), key(self.swap), self.planned
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Site) and self.signature() == other.signature()
+
+    def __hash__(self) -> int:
+        return hash(self.signature())
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """What runs at every module of one model under one plan (`compile_plan` makes it).
+
+    Attributes:
+        targets: every floating parameter and buffer, by (module, kind, name).
+        sites: the modules whose forward is replaced (boundaries and entry guards), by name.
+        casting: the (module, kind) dicts whose tensors are seen in a compute dtype, with their
+            region and the buffers that are only ever cast up (non-persistent ones).
+        reprs: the text `print(model)` shows after each annotated module's own.
+        check: `check_finite` was asked for.
+    """
+
+    targets: Mapping[Key, Target]
+    sites: Mapping[str, Site]
+    casting: Mapping[tuple[str, Kind], tuple[Region, frozenset[str]]]
+    reprs: Mapping[str, str]
+    check: bool
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Execution):
+            return NotImplemented
+        mine = {k: (r.compute, r.members, u) for k, (r, u) in self.casting.items()}
+        theirs = {k: (r.compute, r.members, u) for k, (r, u) in other.casting.items()}
+        return (self.targets == other.targets and self.sites == other.sites and mine == theirs
+                and self.reprs == other.reprs and self.check == other.check)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def forward_of(module: nn.Module) -> tuple[Callable[..., Any], bool]:
+    """The forward a boundary on `module` wraps, and whether it still takes `self`."""
+    from precision_annot.boundary import Boundary
+
+    own = module.__dict__.get("forward")
+    if own is not None and not isinstance(own, Boundary):
+        return own, False
+    return type(module).forward, True
+
+
+def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
+                 check: bool = False) -> Execution:
+    """What runs at every module of the model `named` (`dict(model.named_modules())`) under
+    `plan`, whose entries it must match (see `runtime.check_matches`). Linear in the modules."""
+    targets = _targets(plan, named)
+    boundaries = set(plan.boundaries)
+    owner = nearest(named, boundaries | ({""} if check and not plan.root.container else set()))
+    members: dict[str, list[str]] = {}
+    for name in named:
+        if owner[name] is not None:
+            members.setdefault(owner[name], []).append(name)  # type: ignore[arg-type]
+    sites: dict[str, Site] = {}
+    casting: dict[tuple[str, Kind], tuple[Region, frozenset[str]]] = {}
+    for name, names in members.items():
+        site = _boundary_site(plan, named, name, names, targets, check)
+        sites[name] = site
+        if site.region is not None:
+            _casting_dicts(site.region, name, named, casting)
+    for name, entry in plan.items():
+        if entry.container and entry.keep_dtype:
+            warnings.warn(f"keep_dtype={entry.keep_dtype} on {name or '(root)'!r} is ignored: "
+                          f"{type(named[name]).__name__} has no forward of its own, so nothing "
+                          "passes through it.", UserWarning, stacklevel=4)
+        boundary = owner[name]
+        if boundary is not None and name not in sites and _callable_alone(entry, named[name]):
+            guard = _guard_site(entry, named[name], boundary, sites[boundary])
+            if guard is not None:
+                sites[name] = guard
+    reprs = {name: str(entry.policy) + ("*" if entry.boundary else "")
+             for name, entry in plan.items() if not entry.policy.is_empty()}
+    return Execution(targets, sites, casting, reprs, check)
+
+
+def _targets(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[Key, Target]:
+    """Rule 1: parameters and persistent floating buffers in their module's storage dtype;
+    non-persistent buffers keep the dtype they were built in."""
+    out: dict[Key, Target] = {}
+    for name, module in named.items():
+        storage = plan[name].policy.storage
+        for pname, p in module._parameters.items():
+            if p is not None and p.is_floating_point():
+                out[(name, "param", pname)] = Target(storage or p.dtype)
+        non_persistent = module._non_persistent_buffers_set
+        for bname, b in dict.items(module._buffers):
+            if b is not None and b.is_floating_point():
+                persistent = bname not in non_persistent
+                dtype = storage if storage is not None and persistent else b.dtype
+                out[(name, "buffer", bname)] = Target(dtype, persistent)
+    return out
+
+
+def _tensors(named: Mapping[str, nn.Module], names: list[str], targets: Mapping[Key, Target]
+             ) -> list[tuple[str, Kind, str, Target]]:
+    """The floating tensors of these modules, as (module, kind, name, target)."""
+    out: list[tuple[str, Kind, str, Target]] = []
+    for member in names:
+        module = named[member]
+        for pname, p in module._parameters.items():
+            if p is not None and p.is_floating_point():
+                out.append((member, "param", pname, targets[(member, "param", pname)]))
+        for bname, b in dict.items(module._buffers):
+            if b is not None and b.is_floating_point():
+                out.append((member, "buffer", bname, targets[(member, "buffer", bname)]))
+    return out
+
+
+def _boundary_site(plan: PrecisionPlan, named: Mapping[str, nn.Module], name: str,
+                   names: list[str], targets: Mapping[Key, Target], check: bool) -> Site:
+    """A boundary (or, with `check_finite`, the root checked at its exit): its spec, and the
+    tensors of the modules it runs (`names`, the modules with no boundary between)."""
+    entry = plan[name]
+    policy = entry.policy
+    boundary = entry.boundary
+    context = plan.context(name)
+    exit_to, to_input = exit_dtype(policy, None if context is None else context.policy)
+    forward, method = forward_of(named[name])
+    positions, kept = keep_binding(forward, entry.keep_dtype,
+                                   f"the forward of {name or '(root)'!r}", method=method)
+    mode = autocast_mode(policy) if boundary else None
+    spec = BoundarySpec(
+        name=name,
+        compute=policy.compute if boundary else None,
+        mode=mode,
+        exit=exit_to if boundary else None,
+        exit_to_input=to_input and boundary,
+        keep_positions=positions,
+        keep_names=kept,
+        check=check,
+    )
+    prefix = f"{name}." if name else ""
+
+    def relative(member: str) -> str:
+        return member.removeprefix(prefix) if member != name else ""
+
+    tensors = _tensors(named, names, targets)
+    planned = tuple(Planned(relative(m), kind, t, target.dtype)
+                    for m, kind, t, target in tensors)
+    region = None
+    if mode == "off" and policy.compute is not None:
+        probe = Region(policy.compute, ())
+        cast = tuple((relative(m), kind, t, not target.persistent)
+                     for m, kind, t, target in tensors
+                     if probe.needs(torch.empty(0, dtype=target.dtype), not target.persistent))
+        region = Region(policy.compute, cast) if cast else None
+    return Site(spec, False, region, planned)
+
+
+def _casting_dicts(region: Region, name: str, named: Mapping[str, nn.Module],
+                   out: dict[tuple[str, Kind], tuple[Region, frozenset[str]]]) -> None:
+    prefix = f"{name}." if name else ""
+    for path, kind, _, _ in region.members:
+        member = f"{prefix}{path}" if path else name
+        upcast_only = (frozenset(named[member]._non_persistent_buffers_set) if kind == "buffer"
+                       else frozenset())
+        out[(member, kind)] = (region, upcast_only)  # type: ignore[index]
+
+
+def _callable_alone(entry: ModulePlan, module: nn.Module) -> bool:
+    """A module worth an entry guard: it runs its own forward and has submodules (an encoder,
+    a decoder, a block; leaves such as a Linear are left alone, so they cost nothing)."""
+    return not entry.container and next(iter(module._modules.values()), None) is not None
+
+
+def _guard_site(entry: ModulePlan, module: nn.Module, owner: str, boundary: Site
+                ) -> Site | None:
+    """The entry guard of a module inside `boundary`: called on its own, it sets up what the
+    boundary would have (same compute and autocast mode, same region), and hands its outputs
+    back as computed, as a top-level module does."""
+    outer = boundary.spec
+    if outer.compute is None and outer.mode is None and boundary.region is None:
+        return None  # its boundary only casts at exit: nothing to set up
+    forward, method = forward_of(module)
+    positions, kept = keep_binding(forward, entry.keep_dtype,
+                                   f"the forward of {entry.name or '(root)'!r}", method=method)
+    spec = BoundarySpec(name=entry.name, compute=outer.compute, mode=outer.mode, exit=None,
+                        keep_positions=positions, keep_names=kept)
+    swap = None
+    if boundary.region is not None:
+        # the members under this module, with paths from it instead of from its boundary
+        inner = entry.name.removeprefix(f"{owner}.") if owner else entry.name
+        mine = f"{inner}."
+        members = tuple((p.removeprefix(mine) if p != inner else "", kind, t, up)
+                        for p, kind, t, up in boundary.region.members
+                        if p == inner or p.startswith(mine))
+        swap = Region(boundary.region.compute, members)
+    return Site(spec, True, boundary.region, (), swap)

@@ -1,0 +1,35 @@
+"""The one place wrappers around a model are seen through: `DistributedDataParallel`,
+`DataParallel`, FSDP1's root, `torch.compile`, DeepSpeed's engine and Lightning Fabric.
+
+Every entry point (`resolve`, `apply`, `remove`, `audit`, `check`, the adapters) calls
+`unwrap` first, so a plan made for a model also fits the model wrapped.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["unwrap"]
+
+# wrapper class name -> the attribute holding the wrapped model
+_WRAPPERS: dict[str, str] = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",
+    "OptimizedModule": "_orig_mod",  # torch.compile
+    "DeepSpeedEngine": "module",
+    "_FabricModule": "_original_module",  # Lightning Fabric's setup()
+}
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside every known wrapper around `model` (itself when there is none)."""
+    for _ in range(16):
+        attr = _WRAPPERS.get(type(model).__name__)
+        inner = model.__dict__.get(attr) if attr else None
+        if inner is None and attr:  # registered as a submodule, not a plain attribute
+            inner = model._modules.get(attr)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+    return model
