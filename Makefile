@@ -7,6 +7,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
 PYTEST_FLAGS ?=
+# One thread per process unless set: on a small shared machine torch's default (a thread per
+# core) made the demo 10x slower, and the tests run two ranks at a time.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: venv demo test test-all lint bench docs clean
 

@@ -19,6 +19,7 @@ from precision_annot.runtime import apply, remove
 from precision_annot.scaler import GradScaler
 from precision_annot.scope import precision_scope
 from precision_annot.suggestion import suggest
+from precision_annot.version import VERSION
 
 __all__ = [
     "fp64",
@@ -40,4 +41,4 @@ __all__ = [
     "Finding",
 ]
 
-__version__ = "0.2.0"
+__version__ = VERSION

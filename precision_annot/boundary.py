@@ -442,6 +442,25 @@ class Boundary:
     def __doc__(self) -> str | None:  # type: ignore[override]
         return getattr(self._target(), "__doc__", None)
 
+    # torch.export reads the forward's code and globals to name its inputs
+    @property
+    def __code__(self) -> types.CodeType:
+        code: types.CodeType = getattr(self._target(), "__code__")  # noqa: B009
+        return code
+
+    @property
+    def __globals__(self) -> dict[str, Any]:
+        namespace: dict[str, Any] = getattr(self._target(), "__globals__")  # noqa: B009
+        return namespace
+
+    @property
+    def __defaults__(self) -> tuple[Any, ...] | None:
+        return getattr(self._target(), "__defaults__", None)
+
+    @property
+    def __kwdefaults__(self) -> dict[str, Any] | None:
+        return getattr(self._target(), "__kwdefaults__", None)
+
     def __repr__(self) -> str:
         spec = self.spec
         name = self.module.__class__.__name__

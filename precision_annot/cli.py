@@ -21,6 +21,7 @@ from precision_annot.checking import BACKENDS
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import as_policy
 from precision_annot.resolution import resolve
+from precision_annot.version import VERSION
 
 __all__ = ["main"]
 
@@ -56,6 +57,9 @@ def load_object(target: str, *, call: bool = True) -> Any:
             spec = importlib.util.spec_from_file_location(path.stem, path)
             if spec is None or spec.loader is None:
                 raise CLIError(f"Cannot import {module_part!r}.")
+            folder = str(path.resolve().parent)  # its siblings import, as `python file.py`
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             module = importlib.util.module_from_spec(spec)
             sys.modules[path.stem] = module
             spec.loader.exec_module(module)
@@ -109,6 +113,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from e
     text = json.dumps(config, indent=2) + "\n"
+    print("precision-annot: note: call precision_annot.adapters.deepspeed.prepare(model) before "
+          "deepspeed.initialize: it applies the plan and sets each parameter's comm_dtype, which "
+          "this config relies on. Without it DeepSpeed runs every module as the config alone "
+          "says.", file=sys.stderr)
     if args.output is None:
         sys.stdout.write(text)
         return 0
@@ -245,6 +253,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-module precision for PyTorch: report plans, audit what runs, suggest "
                     "fp32 islands, check before launch, export configs, demo.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
     report = _command(sub, "report", "print the precision plan of a model", _cmd_report)
     report.add_argument("--json", action="store_true", help="machine-readable output")
@@ -299,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CLIError as e:
             status = 2
             error = str(e)
+        except BrokenPipeError:  # `precision-annot report ... | head` closed the pipe
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not raise again
+            return 128 + 13  # as a process stopped by SIGPIPE
         else:
             error = ""
     for w in caught:

@@ -18,9 +18,9 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot.boundary import BoundarySpec, Planned, Region, keep_binding
+from precision_annot.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
 from precision_annot.plan import ModulePlan, PrecisionPlan, nearest
-from precision_annot.policy import autocast_mode, exit_dtype
+from precision_annot.policy import Policy, autocast_mode, exit_dtype
 
 __all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of"]
 
@@ -111,8 +111,6 @@ class Execution:
 
 def forward_of(module: nn.Module) -> tuple[Callable[..., Any], bool]:
     """The forward a boundary on `module` wraps, and whether it still takes `self`."""
-    from precision_annot.boundary import Boundary
-
     own = module.__dict__.get("forward")
     if own is not None and not isinstance(own, Boundary):
         return own, False
@@ -147,7 +145,10 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
             guard = _guard_site(entry, named[name], boundary, sites[boundary])
             if guard is not None:
                 sites[name] = guard
-    reprs = {name: str(entry.policy) + ("*" if entry.boundary else "")
+    texts: dict[Policy, str] = {}  # a few distinct policies among many modules
+    reprs = {name: (texts.get(entry.policy) or texts.setdefault(entry.policy,
+                                                                str(entry.policy)))
+             + ("*" if entry.boundary else "")
              for name, entry in plan.items() if not entry.policy.is_empty()}
     return Execution(targets, sites, casting, reprs, check)
 

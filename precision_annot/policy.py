@@ -252,7 +252,10 @@ def as_policy(spec: object, *, argument: str = "spec") -> Policy:
     if isinstance(spec, torch.dtype):
         return _bare(to_dtype(spec, field=argument))
     if isinstance(spec, str):
-        return Policy.parse(spec)
+        try:
+            return Policy.parse(spec)
+        except ValueError as e:
+            raise ValueError(f"{argument}: {e} Received: {argument}={spec!r}") from e
     raise TypeError(
         f"{argument} must be a Policy, a torch.dtype, a dtype name or a preset string such "
         f"as 'bf16-mixed'. Received: {argument}={spec!r} (of type {type(spec).__name__})"

@@ -259,9 +259,9 @@ _REGIONS: weakref.WeakKeyDictionary[Any, dict[str, Policy]] = weakref.WeakKeyDic
 
 def function_regions(module: nn.Module) -> dict[str, Policy]:
     """The function-form regions (`precision(...)(fn)`) the module's forward refers to, by
-    qualified name: functions named in its code that are module globals of its file or
-    attributes of its class. Read from the code, so a region reached only through another
-    object is not found (`audit` still sees it run)."""
+    qualified name: functions named in its code that are globals of its file, variables it
+    closes over, or attributes of its class. Read from the code, so a region reached only
+    through another object is not found (`audit` still sees it run)."""
     forward = _own_forward(module)
     code = getattr(forward, "__code__", None)
     if code is None:
@@ -270,8 +270,12 @@ def function_regions(module: nn.Module) -> dict[str, Policy]:
     cached = _REGIONS.get(key)
     if cached is None:
         cached = {}
-        namespace = getattr(forward, "__globals__", {})
-        for word in sorted(set(_names(code))):
+        namespace = dict(getattr(forward, "__globals__", {}))
+        cells = getattr(forward, "__closure__", None) or ()
+        for free, cell in zip(code.co_freevars, cells, strict=False):  # a function defined
+            with contextlib.suppress(ValueError):                      # around the class
+                namespace[free] = cell.cell_contents
+        for word in sorted(set(_names(code)) | set(code.co_freevars)):
             found = namespace.get(word)
             if found is None:
                 found = _class_attribute(type(module), word)

@@ -34,6 +34,7 @@ M = TypeVar("M", bound=nn.Module)
 
 _STATE_ATTR = "_precision_annot_state"
 _REPLICATE = "_replicate_for_data_parallel"
+_SCRIPT = "__prepare_scriptable__"
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,8 +108,27 @@ class Replicate:
             replica.__dict__["extra_repr"] = ReprSuffix(replica, text.text, text.inner)
         replica.__dict__[_REPLICATE] = Replicate(replica)
         replica.__dict__.pop(ModuleState.ATTR, None)
+        replica.__dict__.pop(_SCRIPT, None)
         replica.__dict__.pop("_apply", None)
         return replica
+
+
+class RefuseScript:
+    """`module.__prepare_scriptable__` for a module whose forward is a boundary: TorchScript
+    cannot compile a Python boundary, so `torch.jit.script` is refused with the way out
+    instead of failing deep inside TorchScript."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self) -> nn.Module:
+        raise RuntimeError(
+            f"torch.jit.script cannot compile module {self.name or '(root)'!r}: "
+            "precision_annot.apply replaced its forward with a Python boundary (casts and "
+            "autocast), which TorchScript cannot read. torch.export.export(model, args) and "
+            "torch.compile(model) trace the boundaries into the graph; or run "
+            "precision_annot.remove(model) before scripting (the plan is then gone)."
+        )
 
 
 class ConversionWatch:
@@ -196,6 +216,7 @@ class ModuleState:
                                          owner=owner, guard=site.guard)
                 d["forward"] = self.boundary
             d[_REPLICATE] = Replicate(module)
+            d[_SCRIPT] = RefuseScript(self.name)
         if text is not None:
             d["extra_repr"] = ReprSuffix(module, text, d.get("extra_repr"))
         if planned:
@@ -230,8 +251,9 @@ class ModuleState:
                     del d[attr]
                 else:
                     d[attr] = value.inner
-        if isinstance(d.get(_REPLICATE), Replicate):
-            del d[_REPLICATE]
+        for attr, ours in ((_REPLICATE, Replicate), (_SCRIPT, RefuseScript)):
+            if isinstance(d.get(attr), ours):
+                del d[attr]
         for attr in ("_parameters", "_buffers"):
             store = d.get(attr)
             if isinstance(store, CastingDict):

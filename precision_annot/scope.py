@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -107,7 +108,9 @@ class precision_scope:
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]:
         """Use the scope as a decorator, as `torch.no_grad` is used: every call of `fn` runs
-        inside a fresh scope with this policy."""
+        inside a fresh scope with this policy. A generator function runs each of its steps
+        inside it (the caller's code between steps does not), and so does an async function
+        or async generator, with the scope local to its task."""
         if isinstance(fn, type):
             raise TypeError(
                 f"{self!r} decorates functions (a model factory, say). To tag a class, use "
@@ -116,6 +119,12 @@ class precision_scope:
         if not callable(fn):
             raise TypeError(f"{self!r} decorates functions. Received: {fn!r}")
         policy = self.policy
+        if inspect.isasyncgenfunction(fn):
+            return _scoped_async_generator(fn, policy)  # type: ignore[return-value]
+        if inspect.iscoroutinefunction(fn):
+            return _scoped_coroutine(fn, policy)  # type: ignore[return-value]
+        if inspect.isgeneratorfunction(fn):
+            return _scoped_generator(fn, policy)  # type: ignore[return-value]
 
         @functools.wraps(fn)
         def scoped(*args: Any, **kwargs: Any) -> Any:
@@ -150,3 +159,69 @@ class precision_scope:
         finally:
             self._token = None
             _hook.uninstall()
+
+
+def _scoped_generator(fn: Callable[..., Generator[Any, Any, Any]], policy: Policy
+                      ) -> Callable[..., Generator[Any, Any, Any]]:
+    """Each step of the generator inside a scope, as torch's decorator context managers run
+    each step of a generator under `no_grad`."""
+
+    @functools.wraps(fn)
+    def scoped(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        with precision_scope(policy):
+            gen = fn(*args, **kwargs)
+            try:
+                response = gen.send(None)
+            except StopIteration as stop:
+                return stop.value
+        while True:
+            try:
+                request = yield response
+            except GeneratorExit:
+                with precision_scope(policy):
+                    gen.close()
+                raise
+            except BaseException as error:
+                with precision_scope(policy):
+                    try:
+                        response = gen.throw(error)
+                    except StopIteration as stop:
+                        return stop.value
+            else:
+                with precision_scope(policy):
+                    try:
+                        response = gen.send(request)
+                    except StopIteration as stop:
+                        return stop.value
+
+    return scoped
+
+
+def _scoped_coroutine(fn: Callable[..., Coroutine[Any, Any, Any]], policy: Policy
+                      ) -> Callable[..., Coroutine[Any, Any, Any]]:
+    @functools.wraps(fn)
+    async def scoped(*args: Any, **kwargs: Any) -> Any:
+        with precision_scope(policy):
+            return await fn(*args, **kwargs)
+
+    return scoped
+
+
+def _scoped_async_generator(fn: Callable[..., AsyncGenerator[Any, Any]], policy: Policy
+                            ) -> Callable[..., AsyncGenerator[Any, Any]]:
+    @functools.wraps(fn)
+    async def scoped(*args: Any, **kwargs: Any) -> AsyncGenerator[Any, Any]:
+        gen = fn(*args, **kwargs)
+        try:
+            while True:
+                with precision_scope(policy):
+                    try:
+                        item = await gen.__anext__()
+                    except StopAsyncIteration:
+                        return
+                yield item
+        finally:
+            with precision_scope(policy):
+                await gen.aclose()
+
+    return scoped

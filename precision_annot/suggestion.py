@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,7 @@ DEFAULT_TOLERANCE = {fp16: 1e-2, torch.bfloat16: 5e-2}
 ISLAND = Policy(compute=fp32, storage=fp32, comm=fp32)
 FP16_SMALLEST = 2.0 ** -24  # the smallest fp16 subnormal: a gradient below it flushes to zero
 MAX_CHECKS = 64
+SEED = 0  # every run starts from it, so that sampling or noise in a forward repeats
 OUTSIDE = "<outside the model>"  # code no module runs: the loss function
 
 
@@ -363,6 +365,41 @@ def _require_real_data(model: nn.Module, sample: Any) -> None:
                          "the model (model.to_empty(device=...) and load its weights) first.")
 
 
+def _require_outputs(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+    """suggest compares floating outputs (or, with `loss_fn`, the loss and the gradients)."""
+    if isinstance(output, types.GeneratorType):
+        raise TypeError(
+            "suggest: the model returned a generator, so there is no output to compare until "
+            "the caller runs it. Pass a model that returns its outputs, e.g. a wrapper whose "
+            "forward returns list(model(...)).")
+    leaves: list[torch.Tensor] = []
+    floating_leaves(output, leaves)
+    if not leaves and loss_fn is None:
+        raise TypeError(
+            "suggest: the model returned no floating tensor (it returned "
+            f"{_describe(output)}), so no plan can be compared with the fp32 run. Return the "
+            "outputs, or pass loss_fn=... to compare the loss and the gradients.")
+
+
+def _require_deterministic(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           ref: _Reference, tolerance: float) -> None:
+    """A second fp32 run from the same seed must give the same output: a plan's error is
+    measured against the first, so noise would read as precision loss."""
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        again = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    drift = relative_error(again, ref.output)
+    if math.isfinite(drift) and drift <= tolerance * 0.1:
+        return
+    raise ValueError(
+        "suggest: two fp32 runs of the model on the same sample, each from the same torch "
+        f"seed, differ (relative error {drift:.2e}), so a plan's error could not be told from "
+        "that noise. Its forward draws randomness that torch's seed does not fix (Python's "
+        "random, NumPy, a generator of its own) or reads state that changes between calls. "
+        "Make the forward deterministic for suggest: eval() mode, sampling off (e.g. "
+        "do_sample=False), or seed that randomness inside the forward.")
+
+
 def _require_finite_reference(ref: _Reference) -> None:
     """Every plan is compared with the fp32 run, so that run must not give nan (an output of
     inf may be meant: masked logits) nor a non-finite loss."""
@@ -400,6 +437,7 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     mode = _Watch(tracker, peaks=True)
     with tracker, mode:
         try:
+            torch.manual_seed(SEED)
             output = model(*args, **kwargs)
         except TypeError as e:
             if not (len(args) == 1 and isinstance(args[0], tuple) and not kwargs):
@@ -501,6 +539,7 @@ def _alone(module: nn.Module, name: str, ref: _Reference, structure: PrecisionPl
                     if n == name or n.startswith(prefix)}
         mode = _Watch(tracker, baseline=baseline)
         with torch.no_grad(), tracker, mode:
+            torch.manual_seed(SEED)
             out = sub(*copy.deepcopy(args), **copy.deepcopy(kwargs))
     except Exception:
         return math.nan, False
@@ -522,6 +561,7 @@ def _check(reference: nn.Module, ref: _Reference, structure: PrecisionPlan, poli
     mode = _Watch(tracker, baseline=ref.nonfinite)
     loss_error = grad_error = None
     with tracker, mode:
+        torch.manual_seed(SEED)
         output = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
         output_error = relative_error(output, ref.output)
         if loss_fn is not None and ref.loss is not None:
@@ -711,9 +751,11 @@ def suggest(
     reference = _fp32_copy(model)
     structure = resolve(reference)
     with torch.random.fork_rng():
-        torch.manual_seed(0)
+        args, kwargs = map_tree((args, kwargs), lambda t: t.float())  # the fp32 reference's
         ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), loss_fn)
+        _require_outputs(ref.output, loss_fn)
         _require_finite_reference(ref)
+        _require_deterministic(reference, args, kwargs, ref, float(tolerance))
         scale = 1.0
         if low_dtype == fp16 and ref.backward_peak > 0:
             scale = 2.0 ** max(0, min(24, math.floor(math.log2(65504 / ref.backward_peak))))

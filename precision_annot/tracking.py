@@ -57,8 +57,9 @@ class ModuleTracker:
             as `module::function`, and it is called as `(that name, policy)` when one starts.
 
     Run the model in one thread while it is active: forward events from other threads are
-    ignored. Its hooks stay the first to run before a module's forward and the last after it,
-    so the hooks a user registers meanwhile are charged to their module.
+    ignored. Hooks registered meanwhile run after its pre-hook, and its forward hook is kept
+    the last to run, so they are charged to their module; hooks registered before it (FSDP's
+    gathers) run before its pre-hook, outside the module's own code.
     """
 
     def __init__(self, names: dict[nn.Module, str], on_enter: Pre | None = None,
@@ -67,7 +68,7 @@ class ModuleTracker:
         self.on_enter = on_enter
         self.on_exit = on_exit
         self.on_region = on_region
-        self.ids: dict[nn.Module, tuple[int, int]] = {}  # the pre- and post-hook ids
+        self.ids: dict[nn.Module, int] = {}  # each module's forward hook id
         self.stack: list[str] = []
         self.seqs: list[int] = []  # sorted: a node with this sequence number or later ...
         self.owners: list[str | None] = []  # ... was made while this module was innermost
@@ -96,7 +97,7 @@ class ModuleTracker:
         name = self.names.get(module)
         if name is None or threading.get_ident() != self.thread:
             return
-        _, post = self.ids[module]
+        post = self.ids[module]
         hooks: Any = module._forward_hooks  # an OrderedDict
         if next(reversed(hooks)) != post:  # a hook registered since: ours runs last
             hooks.move_to_end(post)
@@ -113,10 +114,6 @@ class ModuleTracker:
         if self.stack and self.stack[-1] == name:
             self.stack.pop()
         self._mark()
-        pre, _ = self.ids[module]
-        pre_hooks: Any = module._forward_pre_hooks  # an OrderedDict
-        if next(iter(pre_hooks)) != pre:  # one prepended since: ours runs first
-            pre_hooks.move_to_end(pre, last=False)
         if self.on_exit is not None:
             self.on_exit(name, module, output)
 
@@ -138,10 +135,10 @@ class ModuleTracker:
 
     def __enter__(self) -> ModuleTracker:
         for module in self.names:
-            pre = module.register_forward_pre_hook(self._pre, with_kwargs=True, prepend=True)
+            pre = module.register_forward_pre_hook(self._pre, with_kwargs=True)
             post = module.register_forward_hook(self._post, with_kwargs=True, always_call=True)
             self.handles += [pre, post]
-            self.ids[module] = (pre.id, post.id)
+            self.ids[module] = post.id
         if self.on_region is not None:
             REGION_OBSERVERS.append(self)
         return self

@@ -167,3 +167,51 @@ def test_the_audit_command_from_the_console_script(tmp_path: Path) -> None:
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "No divergence" in proc.stdout
+
+
+def test_a_function_region_is_audited_against_its_own_policy() -> None:
+    """0.2 charged an fp16 region's ops to its fp32 island: a divergence of the island."""
+    @precision(compute=fp16)
+    def half(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    class Island(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = half(self.lin(x)) + 1
+            return out
+
+    model = apply(nn.Sequential(nn.Linear(4, 4), precision(fp32)(Island())), default="bf16")
+    assert resolve(model, default="bf16").needs_loss_scaling
+    with audit(model) as report:
+        step(model, torch.randn(2, 4))
+    assert report.divergences == []
+    region = report["1::test_a_function_region_is_audited_against_its_own_policy.<locals>.half"]
+    assert set(region.forward_ops) == {fp16} and set(region.backward_ops) == {fp16}
+    assert set(report["1"].forward_ops) == {fp32}  # the island's own add, in fp32
+    assert "(region)" in str(report)
+
+
+def test_an_accumulating_index_put_and_a_hook_registered_inside_are_audited() -> None:
+    """0.2 took index_put(accumulate=True) for data movement, and charged a hook registered
+    inside the block to the root."""
+    class Accumulate(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(4, dtype=torch.bfloat16)
+            return out.index_put((torch.tensor([0, 0, 1]),), x[0, :3].bfloat16(),
+                                 accumulate=True).float()
+
+    model = apply(nn.Sequential(nn.Linear(4, 4), Accumulate()), default="fp32")
+    with audit(model) as report:
+        model(torch.randn(2, 4))
+    assert ("1", "compute") in {(d.module, d.field) for d in report.divergences}
+
+    plain = apply(nn.Sequential(nn.Linear(4, 4)), default="fp32")
+    with audit(plain) as report:
+        handle = plain[0].register_forward_hook(lambda m, a, out: out.bfloat16() * 2)
+        plain(torch.randn(2, 4))
+    handle.remove()
+    assert report["0"].forward_ops[bf16] == 1 and report[""].forward_ops == {}

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import precision_annot
 from precision_annot import PrecisionPlan, resolve
 from precision_annot.cli import main
 
@@ -237,3 +238,38 @@ def test_check_json_lists_every_field(capsys: pytest.CaptureFixture[str]) -> Non
     found = json.loads(capsys.readouterr().out)
     assert {f["code"] for f in found} == {"narrow-comm", "fsdp-small-units"}
     assert all(set(f) == {"severity", "code", "module", "message", "fix"} for f in found)
+
+
+def test_a_file_target_imports_its_siblings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """0.2 put only the working directory on sys.path: `from blocks import ...` failed."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "blocks_for_cli.py").write_text("from torch import nn\n\n"
+                                              "def block():\n    return nn.Linear(2, 2)\n")
+    (folder / "net.py").write_text("from blocks_for_cli import block\n\n"
+                                   "def make():\n    return block()\n")
+    assert main(["report", f"{folder / 'net.py'}:make", "--default", "bf16"]) == 0
+    assert "Linear" in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_quietly_and_version(tmp_path: Path) -> None:
+    (tmp_path / "wide.py").write_text(
+        "from torch import nn\n\ndef many():\n"
+        "    return nn.Sequential(*[nn.ReLU() for _ in range(4000)])\n")
+    run = subprocess.run(f"{sys.executable} -m precision_annot report wide.py:many | head -1",
+                         shell=True, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.stdout.startswith("module") and "Traceback" not in run.stderr, run.stderr
+    version = subprocess.run([sys.executable, "-m", "precision_annot", "--version"],
+                             capture_output=True, text=True, timeout=120)
+    assert version.stdout.strip() == f"precision-annot {precision_annot.__version__}"
+
+
+def test_export_reminds_that_prepare_is_needed(capsys: pytest.CaptureFixture[str]) -> None:
+    """0.2 wrote the config alone: without prepare(model), ZeRO-2 ran 26 modules unlike the
+    plan, silently."""
+    assert main(["export", "deepspeed", TARGET]) == 0
+    captured = capsys.readouterr()
+    assert "torch_autocast" in json.loads(captured.out)
+    assert "deepspeed.prepare(model) before deepspeed.initialize" in captured.err

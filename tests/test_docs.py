@@ -1,4 +1,8 @@
-"""Every ```python block in README.md and docs/ runs, and so does every docstring example."""
+"""Every ```python block in README.md and docs/ runs, and so does every docstring example.
+
+Each block runs on its own, as a reader who copies it would run it, unless its first line says
+it goes on from the block before it.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 PRINTS = re.compile(r"^prints\n\n```text\n(.*?)^```", re.S | re.M)
 
 
-OPTIONAL = ("lightning", "deepspeed", "transformers", "accelerate", "matplotlib")
+OPTIONAL = ("lightning", "deepspeed", "transformers", "accelerate", "matplotlib", "torchao")
+# the first line of a block that goes on from the block before it, in its namespace
+CONTINUED = "# continued from the example above"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -32,9 +38,11 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.chdir(tmp_path)
     if "accelerate" in sys.modules:  # Accelerate keeps one global state per process
         sys.modules["accelerate"].state.AcceleratorState._reset_state(reset_partial_state=True)
-    namespace: dict[str, object] = {"__name__": f"docs_{path.stem}"}
+    namespace: dict[str, object] = {}
     printed = io.StringIO()
     for i, block in enumerate(blocks):
+        if not block.startswith(CONTINUED):  # each block runs alone, unless it says otherwise
+            namespace = {"__name__": f"docs_{path.stem}"}
         code = compile(block, f"{path.relative_to(ROOT)}[block {i}]", "exec")
         with contextlib.redirect_stdout(printed):
             exec(code, namespace)

@@ -122,3 +122,29 @@ def test_malformed_plans_as_a_whole() -> None:
 def test_a_valid_plan_still_round_trips() -> None:
     text = json.dumps(_data())
     assert PrecisionPlan.from_json(text).to_json() == json.dumps(_data(), indent=2)
+
+
+def test_every_torch_dtype_round_trips_and_counts_keep_dtypes() -> None:
+    """0.2 raised "Unknown dtype name 'int8'" in str(plan), from_json, DDP buckets and FSDP."""
+    from precision_annot.adapters import ddp, fsdp
+
+    quantized = nn.Linear(4, 4)
+    for name, dtype in [("q", torch.int8), ("steps", torch.int64), ("f8", torch.float8_e4m3fn)]:
+        quantized.register_parameter(name, nn.Parameter(torch.zeros(4, dtype=dtype),
+                                                        requires_grad=False))
+    plan = resolve(nn.Sequential(quantized), default="bf16-mixed")
+    entry = plan["0"]
+    assert entry.param_dtype_bytes == {fp32: 80 + 16, torch.int8: 4, torch.int64: 32}
+    assert "int8 4 B" in str(plan) and "int64 32 B" in str(plan)
+    assert PrecisionPlan.from_json(plan.to_json()) == plan
+    assert ddp.buckets(plan)[0].dtype == fp32 and fsdp.collective_cost(plan).gathers == 1
+
+
+def test_a_bad_count_names_its_key() -> None:
+    data = _data()
+    data["modules"][1]["numel"] = {"bf16": -1}
+    with pytest.raises(ValueError, match=r"'numel'\['bf16'\] must be a count >= 0"):
+        PrecisionPlan.from_json(json.dumps(data))
+    data["modules"][1]["param_dtype_bytes"] = {"bf16": "12"}
+    with pytest.raises(ValueError, match=r"'param_dtype_bytes'\['bf16'\] must be a count"):
+        PrecisionPlan.from_json(json.dumps(data))

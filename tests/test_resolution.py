@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from precision_annot import (
     Policy,
+    PrecisionPlan,
     annotate,
     bf16,
     fp16,
@@ -108,3 +110,75 @@ def test_a_containers_output_is_carried_by_its_children() -> None:
     assert plan["1.0"].policy.output == fp32 and plan["1.1"].policy.output == fp32
     assert plan["1.0"].sources["output"] == "inherited"
     assert plan["0"].policy.output is None  # a parent that runs does not pass output on
+
+
+def test_a_module_shared_by_two_parents_that_disagree_names_both_paths() -> None:
+    """0.2 resolved it under its first parent only: it ran bf16 inside the fp32 island."""
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(precision(fp32)(nn.Sequential(shared)), nn.Sequential(shared))
+    with pytest.raises(ValueError, match=r"Module '0.0' is also reached as '1.0'.*"
+                                         r"compute=fp32.*under '0'.*compute=bf16.*under '1'.*"
+                                         r"annotate the module itself"):
+        resolve(model, default="bf16")
+    precision(fp32)(shared)  # its own annotation: both paths agree on its policy ...
+    with pytest.raises(ValueError, match=r"not a boundary under '0'.*"
+                                         r"hands its output back in bf16 under '1'.*output="):
+        resolve(model, default="bf16")  # ... but not on what its callers get back
+    precision(output=bf16)(shared)
+    plan = resolve(model, default="bf16")
+    assert "1.0" not in plan and plan["0.0"].policy.output == bf16
+    assert resolve(nn.Sequential(nn.Sequential(shared), nn.Sequential(shared)), "bf16")
+
+
+def test_a_tied_weight_has_one_comm_dtype() -> None:
+    """Issue 18: the DDP hook reduced a tied weight in bf16 and DeepSpeed in fp32."""
+    emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": precision(comm=bf16)(head)})
+    with pytest.raises(ValueError, match=r"shared by modules 'emb' \(comm=fp32\) and 'head' "
+                                         r"\(comm=bf16\).*same comm"):
+        resolve(model, default="bf16-mixed")
+    precision(comm=bf16)(emb)
+    assert resolve(model, default="bf16-mixed")["head"].policy.comm == bf16
+
+
+def test_a_default_that_sets_nothing_is_said() -> None:
+    with precision_scope("bf16-mixed"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"default='compute=fp16,storage=fp16,comm=fp16' sets "
+                                         r"nothing.*compute=bf16 \(scope\)") as caught:
+        resolve(model, default="fp16")
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve(model, default="output=fp32")  # sets output: it has an effect
+        resolve(model)
+
+
+def test_function_regions_the_forward_calls_are_in_the_plan() -> None:
+    """0.2 did not see them: needs_loss_scaling stayed False for an fp16 region."""
+    model = RegionUser()
+    plan = resolve(model, default="bf16-mixed")
+    assert plan[""].regions == {"half_softmax": Policy(compute=fp16),
+                                "RegionUser.fp32_scores": Policy(compute=fp32, storage=fp32,
+                                                                 comm=fp32)}
+    assert plan.needs_loss_scaling and not resolve(nn.Linear(2, 2), "bf16").needs_loss_scaling
+    assert "half_softmax()" in str(plan) and PrecisionPlan.from_json(plan.to_json()) == plan
+
+
+@precision(compute=fp16)
+def half_softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(x, -1)
+
+
+class RegionUser(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @precision(fp32)
+    def fp32_scores(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ x.transpose(-1, -2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return half_softmax(self.fp32_scores(self.lin(x)))

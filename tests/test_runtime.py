@@ -17,7 +17,9 @@ from precision_annot import (
     Policy,
     annotate,
     apply,
+    audit,
     bf16,
+    check,
     fp16,
     fp32,
     precision,
@@ -25,6 +27,7 @@ from precision_annot import (
     remove,
     resolve,
 )
+from precision_annot.boundary import Boundary
 from precision_annot.runtime import applied_plan, installed_boundaries
 from tests.helpers import Recorder, island_model
 
@@ -255,3 +258,157 @@ def test_apply_is_atomic_when_a_cast_fails() -> None:
     assert {n: d for n, (d, _) in after.items()} == {n: d for n, (d, _) in before.items()}
     assert all(torch.equal(before[n][1], after[n][1]) for n in before)
     assert installed_boundaries(model) == [] and "_precision_annot_state" not in model.__dict__
+
+
+# -- entry points: a module called on its own, wrappers, export, conversions -------------------
+
+class Seen(nn.Module):
+    """A Linear that records the dtype it computed in and whether autocast was on."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.log: list[tuple[torch.dtype, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x)
+        self.log.append((out.dtype, torch.is_autocast_enabled("cpu")))
+        return out
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Seen()
+        self.norm = precision(fp32)(nn.LayerNorm(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.norm(self.body(x))
+        return out
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Encoder()
+        self.decoder = Seen()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.decoder(self.encoder(x))
+        return out
+
+
+@pytest.mark.parametrize("default", ["bf16", "bf16-mixed"])
+def test_a_submodule_called_on_its_own_runs_as_planned(default: str) -> None:
+    """0.2: with bf16 storage `model.encoder(x)` on an fp32 x raised "mat1 and mat2 must have
+    the same dtype"; with bf16-mixed it ran in fp32, silently. generate() calls encoders so."""
+    model = EncoderDecoder()
+    apply(model, default=default)
+    out = model.encoder(torch.randn(2, 4))
+    assert model.encoder.body.log[-1] == (bf16, default == "bf16-mixed")
+    assert out.dtype == bf16  # its fp32 norm hands back to the encoder's own compute
+    with audit(model) as report:
+        model.encoder(torch.randn(2, 4)).float().sum().backward()
+    assert report.divergences == []
+    model(torch.randn(2, 4))  # and through the model, as before
+    assert model.encoder.body.log[-1] == (bf16, default == "bf16-mixed")
+
+
+def test_inside_the_model_a_submodule_runs_as_the_models_code_says() -> None:
+    """An entry guard acts only when called from outside: a parent that calls a child with
+    autocast off on purpose (a router kept in fp32) is not overruled."""
+    class Router(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Sequential(Seen())
+            self.rest = Seen()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", enabled=False):
+                logits = self.gate(x.float())
+            out: torch.Tensor = self.rest(x) + logits
+            return out
+
+    model = apply(Router(), default="bf16-mixed")
+    model(torch.randn(2, 4))
+    assert model.gate[0].log[-1] == (fp32, False)
+    assert model.rest.log[-1] == (bf16, True)
+    model.gate(torch.randn(2, 4))  # called alone, it runs as planned
+    assert model.gate[0].log[-1] == (bf16, True)
+
+
+def test_leaves_and_unchanged_subtrees_get_no_entry_guard() -> None:
+    model = EncoderDecoder()
+    apply(model, default="bf16-mixed")
+    guarded = sorted(n for n, m in model.named_modules()
+                     if isinstance(m.__dict__.get("forward"), Boundary)
+                     and m.__dict__["forward"].guard)
+    assert guarded == ["decoder", "encoder", "encoder.body"]  # modules with submodules
+    assert "forward" not in model.encoder.body.lin.__dict__  # a leaf: nothing per call
+    plain = apply(nn.Sequential(nn.Sequential(nn.Linear(2, 2))), default="output=fp32")
+    assert installed_boundaries(plain) == [""]  # the root casts its output ...
+    assert "forward" not in plain[0].__dict__  # ... and sets up nothing a guard would repeat
+
+
+def test_a_conversion_after_apply_is_said_once_and_names_a_tensor() -> None:
+    """0.2: Trainer(bf16_full_eval=True) runs model.to(bf16); the islands and fp32 master
+    weights then trained in bf16 with no message."""
+    model = EncoderDecoder()
+    apply(model, default="bf16-mixed")
+    with pytest.warns(UserWarning, match=r"changed tensors of an applied model away from the "
+                      r"plan \(first: '.*weight' is bf16, planned fp32\)") as caught:
+        model.to(bf16)
+    (said,) = [w for w in caught if "away from the plan" in str(w.message)]
+    assert said.filename == __file__  # points at the user's .to(), not into torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to(bf16)  # said once per apply
+    with pytest.warns(UserWarning, match="keep the rounding of bf16"):
+        apply(model, default="bf16-mixed")  # restores the plan (from the rounded values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to("cpu")  # a move that keeps the dtypes says nothing
+    assert model.encoder.norm.weight.dtype == fp32
+    state = {k: v.to(bf16) for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="load_state_dict changed tensors"):
+        model.load_state_dict(state, assign=True)
+    remove(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.to(fp16)  # no plan, nothing to say
+
+
+def test_export_traces_the_plan_and_script_is_refused_with_the_way_out() -> None:
+    """0.2: both failed on Boundary.__code__ / __globals__."""
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    apply(model, default="bf16-mixed")
+    x = torch.randn(3, 4)
+    exported = torch.export.export(model, (x,))
+    assert torch.equal(exported.module()(x), model(x))
+    assert exported.module()(x).dtype == bf16
+    scriptable = apply(nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4))),
+                       default="bf16")
+    with pytest.raises(RuntimeError, match=r"torch.jit.script cannot compile module "
+                                           r"'\(root\)'.*torch.export.export.*remove"):
+        torch.jit.script(scriptable)
+    remove(scriptable)
+    assert torch.jit.script(scriptable)(x).dtype == fp32  # plain again
+
+
+def test_every_entry_point_sees_through_compile_and_data_parallel() -> None:
+    """0.2: audit(torch.compile(model)) raised "plan made for another model"; check on it
+    compared against the bare annotations."""
+    model = EncoderDecoder()
+    apply(model, default="bf16-mixed")
+    compiled = torch.compile(model)
+    assert applied_plan(compiled) is applied_plan(model)
+    assert resolve(compiled).model_type == "EncoderDecoder"
+    with audit(compiled) as report:
+        model(torch.randn(2, 4)).float().sum().backward()
+    assert report.divergences == [] and report.plan is applied_plan(model)
+    assert check(compiled) == check(applied_plan(model))  # type: ignore[arg-type]
+    wrapped = nn.DataParallel(model)
+    assert installed_boundaries(wrapped) == installed_boundaries(model)
+    remove(compiled)
+    assert installed_boundaries(model) == [] and model.encoder.norm.weight.dtype == fp32

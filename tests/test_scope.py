@@ -143,3 +143,39 @@ def test_scope_inside_an_applied_forward_points_to_the_function_form() -> None:
         model(torch.randn(2))
     with precision_scope(fp32):  # the depth counter was restored
         pass
+
+
+def test_the_decorator_scopes_each_step_of_a_generator_and_async_factories() -> None:
+    """0.2 tagged nothing: the scope closed before the generator's body ran."""
+    @precision_scope(compute=bf16)
+    def layers() -> Any:
+        first = nn.Linear(2, 2)
+        yield first
+        yield nn.Linear(2, 2)
+        return "done"
+
+    steps = layers()
+    first = next(steps)
+    between = nn.Linear(2, 2)  # the caller's code between steps is not in the scope
+    second = next(steps)
+    with pytest.raises(StopIteration) as stop:
+        next(steps)
+    assert stop.value.value == "done"
+    assert [resolve(m).root.policy.compute for m in (first, between, second)] == [bf16, None,
+                                                                                  bf16]
+
+    @precision_scope(compute=fp16)
+    async def build() -> nn.Module:
+        await asyncio.sleep(0)
+        return nn.Linear(2, 2)
+
+    @precision_scope(compute=fp16)
+    async def stream() -> Any:
+        yield nn.Linear(2, 2)
+
+    async def collect() -> list[nn.Module]:
+        return [m async for m in stream()]
+
+    assert resolve(asyncio.run(build())).root.policy.compute == fp16
+    assert [resolve(m).root.policy.compute for m in asyncio.run(collect())] == [fp16]
+    assert resolve(nn.Linear(2, 2)).root.policy.compute is None  # nothing leaked

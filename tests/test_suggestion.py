@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -304,3 +305,55 @@ def test_the_docs_chart_script_renders(tmp_path: Path) -> None:
     found = script["render"](tmp_path / "sensitivity.png")
     assert found.islands == ["blocks.0.mlp", "blocks.1.mlp"]
     assert (tmp_path / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+class Noisy(nn.Module):
+    """Noise and sampling in forward, as a VAE or a sampling head has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) + 0.1 * torch.randn_like(x)
+        picked = torch.multinomial(torch.softmax(h.float(), -1), 1)
+        out: torch.Tensor = self.norm(h) + picked
+        return out
+
+
+def test_randomness_drawn_from_torch_is_repeated_for_every_run() -> None:
+    """0.2 compared runs with different noise: met=False and needless islands."""
+    torch.manual_seed(0)
+    found = suggest(Noisy(), torch.randn(16, 8), low="bf16")
+    assert found.met and found.islands == []
+
+
+def test_randomness_the_seed_does_not_fix_is_refused_with_the_fix() -> None:
+    import random
+
+    class Jitter(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * (1 + random.random())
+
+    with pytest.raises(ValueError, match=r"two fp32 runs.*differ.*eval\(\) mode, sampling off"):
+        suggest(Jitter(4, 4), torch.randn(2, 4))
+
+
+def test_outputs_suggest_cannot_compare_and_samples_in_another_dtype() -> None:
+    class Nothing(nn.Linear):
+        def forward(self, x: torch.Tensor) -> None:  # type: ignore[override]
+            super().forward(x)
+
+    class Lazy(nn.Linear):
+        def forward(self, x: torch.Tensor) -> Any:
+            yield super().forward(x)
+
+    with pytest.raises(TypeError, match=r"returned no floating tensor \(it returned None"):
+        suggest(Nothing(4, 4), torch.randn(2, 4))
+    with pytest.raises(TypeError, match="returned a generator"):
+        suggest(Lazy(4, 4), torch.randn(2, 4))
+    torch.manual_seed(0)  # 0.2 ran the fp32 reference on an fp16 sample: mat1 and mat2 ...
+    found = suggest(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
+                    torch.randn(8, 4, dtype=fp16), low="bf16")
+    assert found.met and found.islands == []

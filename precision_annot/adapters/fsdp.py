@@ -67,9 +67,11 @@ def unit_names(
             selected.update(n for n, _ in hits)
     chosen |= selected
     if merge_below is not None:
-        if not 0 < merge_below < 1:
+        if (not isinstance(merge_below, (int, float)) or isinstance(merge_below, bool)
+                or not 0 < merge_below < 1):
             raise ValueError(f"merge_below is a share of the parameters, between 0 and 1. "
-                             f"Received: merge_below={merge_below!r}")
+                             f"Received: merge_below={merge_below!r} (of type "
+                             f"{type(merge_below).__name__}); e.g. merge_below=0.01")
         total = sum(e.params for e in plan.values()) or 1
         owner_of = nearest(plan, chosen)
         held: dict[str, int] = {}

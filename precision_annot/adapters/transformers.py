@@ -218,33 +218,83 @@ def _named_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
                 yield (f"{name}.{tname}" if name else tname), t
 
 
+def _checkpoint_keys(model: nn.Module, names: list[str]) -> dict[str, str | None]:
+    """Each tensor's key in the checkpoint files: its name, renamed as transformers renames it
+    on save (ViT's `vit.layers.0` is saved as `vit.encoder.layer.0`); None where transformers
+    converts it together with other tensors (fused experts), which one key cannot say."""
+    try:  # NOTE: transformers' own renaming, as its save_pretrained reverts it
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            PrefixChange,
+            WeightConverter,
+            WeightRenaming,
+            apply_converters,
+            apply_renamings,
+        )
+    except ImportError:  # a transformers without conversions: keys are names
+        return {n: n for n in names}
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = [c for c in get_model_conversion_mapping(model,  # type: ignore[arg-type]
+                                                               add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    reverse = [c.reverse_transform() for c in (conversions or [])[::-1]]
+    renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
+    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    out: dict[str, str | None] = {}
+    for name in names:
+        _, pattern = apply_converters(name, converters)
+        out[name] = None if pattern is not None else apply_renamings(name, renamings)
+    return out
+
+
 def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
-    """Copy these tensors from the checkpoint's safetensors files, in the model's dtype."""
+    """Copy these tensors from the checkpoint's safetensors files, in the model's dtype; warn,
+    naming them, about those that cannot be found there."""
     from safetensors import safe_open
 
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    else:
-        weight_map = {}
+    weight_map: dict[str, str] = (json.loads(index.read_text())["weight_map"]
+                                  if index.is_file() else {})
     single = directory / "model.safetensors"
+    keys = _checkpoint_keys(model, names)
+    tensors = {n: _tensor(model, n) for n in names}
     by_file: dict[Path, list[str]] = {}
+    missed: list[str] = []
     for name in names:
-        file = directory / weight_map[name] if name in weight_map else single
-        if file.is_file():
+        key = keys[name]
+        file = directory / weight_map[key] if key in weight_map else single
+        if key is None or not file.is_file():
+            missed.append(name)
+        else:
             by_file.setdefault(file, []).append(name)
-    for file, keys in by_file.items():
+    restored: set[int] = set()
+    for file, found in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             present = set(f.keys())
-            for key in keys:
-                if key not in present:
-                    continue  # tied to another tensor, or renamed on save: keep what loaded
-                owner = model.get_submodule(parent_name(key))
-                tname = key.rpartition(".")[2]
-                tensor: torch.Tensor | None = owner._parameters.get(tname)
-                if tensor is None:
-                    tensor = dict.get(owner._buffers, tname)
-                if tensor is None:
+            for name in found:
+                tensor, key = tensors[name], keys[name]
+                if tensor is None or key not in present:
+                    missed.append(name)
                     continue
                 with torch.no_grad():
                     tensor.copy_(f.get_tensor(key).to(tensor.dtype))
+                restored.add(id(tensor))
+    lost = [n for n in missed if tensors[n] is not None and id(tensors[n]) not in restored]
+    if lost:  # a tied tensor restored through its twin is not lost
+        warnings.warn(
+            f"from_pretrained: {len(lost)} tensor(s) the plan stores wider than the checkpoint "
+            f"loaded them could not be read back from {str(directory)!r}, so they keep the "
+            f"loaded rounding: {', '.join(repr(n) for n in lost[:6])}"
+            f"{', ...' if len(lost) > 6 else ''}. Their checkpoint keys are not in its files "
+            "(renamed or fused by a conversion this library cannot map).",
+            UserWarning, stacklevel=3)
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor | None:
+    owner = model.get_submodule(parent_name(name))
+    tname = name.rpartition(".")[2]
+    tensor: torch.Tensor | None = owner._parameters.get(tname)
+    if tensor is None:
+        tensor = dict.get(owner._buffers, tname)
+    return tensor

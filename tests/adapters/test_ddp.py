@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from precision_annot import Policy, PrecisionPlan, apply, bf16, check, fp32, precision, resolve
 from precision_annot.adapters import ddp
+from precision_annot.runtime import applied_plan
 from tests.adapters.distributed import check_training, run_ranks
 from tests.workers.models import POLICY, Net
 
@@ -88,3 +89,18 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError, match=r"bucket_cap_mb is DDP's bucket size in MiB.*"
                                          r"Received: bucket_cap_mb=0"):
         ddp.buckets(loaded, bucket_cap_mb=0)
+
+
+def test_audit_and_check_see_through_ddp_to_the_applied_plan(group: None) -> None:
+    """0.2 compared a DDP-wrapped model against its bare annotations."""
+    from precision_annot import audit
+
+    model = nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4)), nn.Linear(4, 2))
+    apply(model, default=Policy(compute=bf16, storage=fp32, comm=bf16))
+    wrapped = DistributedDataParallel(model)
+    wrapped.register_comm_hook(None, ddp.comm_hook(applied_plan(wrapped)))  # type: ignore[arg-type]
+    with audit(wrapped) as report:
+        wrapped(torch.randn(2, 4)).float().sum().backward()
+    assert report.divergences == [] and set(report["0"].forward_ops) == {bf16}
+    assert [f.code for f in check(wrapped, "ddp")] == ["narrow-comm", "ddp-mixed-bucket"]
+    del wrapped

@@ -320,3 +320,21 @@ def test_fp16_trains_with_dynamic_loss_scaling_and_skips_overflow(ranks: int,
         assert r["scale"] == 2.0**15  # dynamic: halved from 2**16 by the overflow
         finite = [x for x in r["losses"] if x != float("inf")]
         assert finite[-1] < finite[0] * 0.85
+
+
+def test_to_config_and_prepare_start_from_the_plan_applied_to_the_model() -> None:
+    """0.2 resolved the bare annotations again: the config said fp32 and prepare turned the
+    model back to fp32."""
+    from precision_annot import apply, audit
+
+    model = nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4)), nn.Linear(4, 2))
+    apply(model, default="bf16-mixed")
+    assert dsa.to_config(model)["torch_autocast"]["dtype"] == "bfloat16"
+    dsa.prepare(model)
+    assert model[0].weight.dtype == fp32 and model[0].weight.comm_dtype == fp32
+    with audit(model) as report:
+        model(torch.randn(2, 4)).float().sum().backward()
+    assert report.divergences == [] and set(report["0"].forward_ops) == {bf16}
+    assert [f.code for f in dsa.findings(model, {"zero_optimization": {"stage": 2}})] == \
+        [f.code for f in dsa.findings(resolve(model, default="bf16-mixed"),
+                                      {"zero_optimization": {"stage": 2}})]

@@ -253,3 +253,16 @@ def test_merge_below_never_makes_a_unit_of_two_dtypes() -> None:
     with pytest.raises(ValueError, match=r"merge_below is a share of the parameters, between 0 "
                                          r"and 1. Received: merge_below=1.5"):
         fsdp.unit_names(plan, merge_below=1.5)
+
+
+def test_fully_shard_keeps_the_plan_applied_to_the_model(group: None) -> None:
+    """0.2 resolved the bare annotations again and turned the applied model back to fp32."""
+    from precision_annot import audit
+
+    model = nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.LayerNorm(4)), nn.Linear(4, 2))
+    apply(model, default="bf16-mixed")
+    fsdp.fully_shard(model)
+    with audit(model) as report:
+        model(torch.randn(2, 4)).float().sum().backward()
+    assert set(report["0"].forward_ops) == {bf16} and set(report["1"].forward_ops) == {fp32}
+    assert report.divergences == []

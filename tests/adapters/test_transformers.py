@@ -416,3 +416,99 @@ def test_compile_fullgraph_matches_eager() -> None:
 def test_hugging_faces_own_spelling_points_to_the_glob() -> None:
     with pytest.raises(ValueError, match=r"4 modules end in 'wo'.*write the glob '\*\.wo'"):
         annotate(t5(), {"wo": "fp32"})
+
+
+def bart() -> nn.Module:
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1,
+                                  decoder_layers=1, encoder_attention_heads=2,
+                                  decoder_attention_heads=2, encoder_ffn_dim=32,
+                                  decoder_ffn_dim=32, max_position_embeddings=64)
+    return transformers.BartForConditionalGeneration(cfg)
+
+
+def whisper() -> nn.Module:
+    cfg = transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, num_mel_bins=8, max_source_positions=16, max_target_positions=32,
+        decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart", "whisper"])
+@pytest.mark.parametrize("default", ["bf16", "bf16-mixed"])
+def test_generate_on_encoder_decoders_runs_the_plan(kind: str, default: str) -> None:
+    """0.2: generate() calls model.get_encoder()(...), which skipped the root's boundary and
+    crashed ("mat1 and mat2 must have the same dtype") or ran in fp32."""
+    torch.manual_seed(0)
+    model = {"t5": t5, "bart": bart, "whisper": whisper}[kind]().eval()
+    annotate(model, hf.rules(model) if kind == "t5" else {nn.LayerNorm: "fp32"})
+    apply(model, default=default)
+    ids = torch.randint(3, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    sample = {"input_features": torch.randn(2, 8, 32)} if kind == "whisper" else {
+        "input_ids": ids}
+    with audit(model) as report, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(**sample, max_new_tokens=3, do_sample=False)
+    assert out.shape[0] == 2 and report.divergences == []
+    encoder = report["encoder" if kind == "t5" else "model.encoder"]
+    assert encoder.calls == 1  # called on its own, by generate
+    ffn = report["encoder.block.0.layer.1.DenseReluDense.wi" if kind == "t5" else
+                 "model.encoder.layers.0.fc1"]
+    assert set(ffn.forward_ops) == {bf16}
+    assert ffn.autocast == {(True, bf16) if default == "bf16-mixed" else (False, None)}
+
+
+def test_a_renamed_checkpoint_reads_its_islands_back_bit_for_bit(tmp_path: Path) -> None:
+    """0.2 looked ViT's islands up by their model names, which transformers renames on save
+    (vit.layers.0 -> vit.encoder.layer.0): 8 islands stayed rounded to bf16, silently."""
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=32, image_size=16, patch_size=8,
+                                 num_labels=3)
+    model = transformers.ViTForImageClassification(cfg)
+    randomize_norms(model)
+    annotate(model, {nn.LayerNorm: "fp32"})
+    apply(model, default="bf16")
+    hf.save_pretrained(model, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing lost, nothing to say
+        warnings.filterwarnings("ignore", module="transformers")
+        loaded = hf.from_pretrained(transformers.ViTForImageClassification, tmp_path,
+                                    dtype=torch.bfloat16)
+    islands = [n for n, p in model.named_parameters() if p.dtype == fp32]
+    assert len(islands) == 10  # 2 norms x 2 layers x 2, and the final norm's 2
+    for name in islands:
+        assert torch.equal(loaded.get_parameter(name), model.get_parameter(name)), name
+
+
+def test_a_tensor_that_cannot_be_read_back_is_named(tmp_path: Path) -> None:
+    model, _ = annotated("gpt2")
+    randomize_norms(model)
+    apply(model, default="bf16")
+    hf.save_pretrained(model, tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["transformer.ln_f.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\).*could not be read back.*"
+                                         r"'transformer.ln_f.weight'"):
+        hf.from_pretrained(type(model), tmp_path, dtype=torch.bfloat16)
+
+
+def test_trainer_bf16_full_eval_moving_the_model_is_said(tmp_path: Path) -> None:
+    """0.2: evaluate() ran model.to(bf16) and training went on in bf16, without a word."""
+    model, _ = annotated("llama")
+    apply(model, default="bf16-mixed")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
+        report_to=[], save_strategy="no", disable_tqdm=True, bf16_full_eval=True,
+        per_device_eval_batch_size=4)
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=Tokens())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.evaluate()
+    said = [w for w in caught if "away from the plan" in str(w.message)]
+    assert len(said) == 1 and "planned fp32" in str(said[0].message)
+    assert model.model.norm.weight.dtype == bf16  # what Trainer did; apply() restores it

@@ -9,6 +9,7 @@ are added for the strategy chosen.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,8 @@ from precision_annot.plan import PrecisionPlan
 __all__ = ["findings"]
 
 _OURS = ("AnnotatedPrecision", "AnnotatedFSDPPrecision", "FabricAnnotatedPrecision")
+# the name the Trainer takes that is not a registered strategy
+_LIGHTNING_NAMES = frozenset({"auto"})
 
 
 def _strategy_kind(strategy: object) -> tuple[str, dict[str, Any]]:
@@ -42,7 +45,15 @@ def _strategy_kind(strategy: object) -> tuple[str, dict[str, Any]]:
         # the registry's own get() builds the strategy; dict.get reads its entry
         entry = dict.get(StrategyRegistry, strategy)
         if entry is None:
-            return "other", {}
+            if strategy in _LIGHTNING_NAMES:  # Lightning's own, not in the registry
+                return "other", {}
+            names = sorted(set(StrategyRegistry) | _LIGHTNING_NAMES)
+            close = difflib.get_close_matches(strategy, names, n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"check: config 'strategy' names no Lightning strategy.{hint} Received: "
+                f"strategy={strategy!r}. Valid: a Strategy instance or one of "
+                f"{', '.join(repr(n) for n in names)}")
         cls, params = entry["strategy"], dict(entry["init_params"])
     else:
         cls, params = type(strategy), {}
@@ -106,6 +117,7 @@ def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None) -> list[Find
     strategy = config.get("strategy", "auto")
     precision = config.get("precision")
     strategy_plugin = getattr(strategy, "_precision_plugin", None)
+    kind, settings = _strategy_kind(strategy)  # first: a misspelled name is bad input
     ours = [p for p in [*plugins, strategy_plugin] if _is_ours(p)]
     out: list[Finding] = []
     if not ours:
@@ -131,7 +143,6 @@ def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None) -> list[Find
             "Drop it and pass its value to the plugin: "
             f"AnnotatedPrecision(default={precision or 'bf16-mixed'!r}).",
         ))
-    kind, settings = _strategy_kind(strategy)
     cpu = _on_cpu(config.get("accelerator", "auto"))
     if kind == "fsdp" and not any(isinstance(p, AnnotatedFSDPPrecision)
                                   or p == "AnnotatedFSDPPrecision" for p in ours):

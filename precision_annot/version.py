@@ -1,0 +1,5 @@
+"""The version of precision_annot, in one place (`pyproject.toml` reads it from here)."""
+
+__all__ = ["VERSION"]
+
+VERSION = "0.2.0"
