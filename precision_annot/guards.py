@@ -3,15 +3,18 @@ quotes the value and says what is expected."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 
 from torch import nn
 
 from precision_annot.plan import PrecisionPlan
 
-__all__ = ["require_module", "require_plan", "warn"]
+__all__ = ["paused_gc", "require_module", "require_plan", "warn"]
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _TORCH_MODULE = os.path.join("torch", "nn", "modules", "module.py")
@@ -46,3 +49,19 @@ def require_plan(value: object, where: str, argument: str = "plan") -> None:
             f"PrecisionPlan.from_json(text). Received: {argument}={value!r} "
             f"(of type {type(value).__name__})"
         )
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cycle collector paused for a walk over the whole model: `resolve` and `apply`
+    allocate a few objects per module, and on a model of 100,000 modules the collections they
+    trigger, each scanning every object alive, took a third of the time. Objects are freed as
+    usual; cycles wait for the next collection."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from precision_annot.dtypes import dtype_name
-from precision_annot.guards import require_module, warn
+from precision_annot.guards import paused_gc, require_module, warn
 from precision_annot.plan import ModulePlan, PrecisionPlan, Source, parent_name
 from precision_annot.policy import (
     FIELDS,
@@ -87,8 +87,12 @@ def resolve(model: nn.Module, default: SpecLike | None = None) -> PrecisionPlan:
         (torch.float32, 'inherited')
     """
     require_module(model, "resolve")
-    model = unwrap(model)
-    fallback = None if default is None else as_policy(default, argument="default")
+    with paused_gc():
+        return _resolve(unwrap(model), None if default is None else as_policy(
+            default, argument="default"))
+
+
+def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
     entries: dict[str, ModulePlan] = {}
     modules: dict[str, nn.Module] = {}
     first: dict[int, _Path] = {}  # id(module) -> its first path

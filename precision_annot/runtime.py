@@ -21,7 +21,7 @@ from torch import nn
 from precision_annot.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
 from precision_annot.dtypes import dtype_name, wider
 from precision_annot.execution import Execution, Key, Kind, Site, compile_plan
-from precision_annot.guards import require_module, require_plan, warn
+from precision_annot.guards import paused_gc, require_module, require_plan, warn
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import SpecLike
 from precision_annot.resolution import is_container, resolve
@@ -481,13 +481,18 @@ def apply(
         require_plan(plan, "apply")
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
-    root = unwrap(model)
+    with paused_gc():
+        _apply(unwrap(model), plan, check_finite)
+    return model
+
+
+def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool) -> None:
     named = dict(root.named_modules())
     check_matches(plan, named)
     plan = _for_model(plan, named)
     execution = compile_plan(plan, named, check=check_finite)
     if _is_real(root.__dict__.get(_STATE_ATTR), plan, execution, named):
-        return model
+        return
 
     # Prepare everything that can fail (the casts) before changing anything.
     prepared: list[tuple[Key, torch.Tensor, torch.Tensor]] = []
@@ -520,7 +525,6 @@ def apply(
                              execution.reprs.get(name), tuple(planned.get(name, ())), state)
     root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
     object.__setattr__(root, _STATE_ATTR, state)
-    return model
 
 
 def remove(model: M) -> M:
