@@ -1,17 +1,18 @@
-"""`check`: before launch, what a backend will ignore, refuse or run badly for a plan.
+"""`check`: before launch, what a backend will refuse, narrow, widen or run badly for a plan.
 
-The numerics that hold for every backend come from `findings.numerics`; each adapter adds what
-its own backend does with the plan (`adapters.deepspeed.findings`, `adapters.fsdp.findings`,
-`adapters.ddp.findings`, `adapters.lightning.checks.findings`), worked out by the same code
-that exports the plan, so a finding and the export cannot disagree. Adapters are imported
-only for the backend asked about.
+Each adapter says what its backend will do with the plan (`adapters.deepspeed.findings`,
+`adapters.fsdp.findings`, `adapters.ddp.findings`, `adapters.lightning.checks.findings`), worked
+out by the same code that exports the plan, and, where it knows, the dtype it will reduce each
+module's gradients in; the numerics that hold for every backend come from `findings.numerics`.
+Adapters are imported only for the backend asked about: one function per backend, in a table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from precision_annot.findings import SEVERITIES, Finding, numerics
@@ -24,12 +25,17 @@ __all__ = ["BACKENDS", "check"]
 BACKENDS = ("local", "deepspeed", "fsdp", "fsdp1", "ddp", "lightning")
 
 #: the keys `config` may hold, per backend (DeepSpeed takes its whole config, Lightning the
-#: Trainer's keyword arguments)
+#: Trainer's keyword arguments); `grad_scaler: True` says the training loop scales the loss
 _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "fsdp": ("units", "merge_below", "latency_s", "bandwidth"),
-    "fsdp1": ("merge_below", "latency_s", "bandwidth"),
-    "ddp": ("bucket_cap_mb",),
+    "local": ("grad_scaler",),
+    "fsdp": ("units", "merge_below", "latency_s", "bandwidth", "grad_scaler"),
+    "fsdp1": ("merge_below", "latency_s", "bandwidth", "use_orig_params", "grad_scaler"),
+    "ddp": ("bucket_cap_mb", "grad_scaler"),
 }
+
+Comm = dict[str, torch.dtype] | None
+Checked = tuple[list[Finding], Comm, Comm]  # findings; what is reduced in and stored in
+Checker = Callable[[PrecisionPlan, nn.Module | None, nn.Module | None, Any], Checked]
 
 
 def _config_for(backend: str | None, config: Any) -> Any:
@@ -39,7 +45,7 @@ def _config_for(backend: str | None, config: Any) -> Any:
         raise ValueError(
             f"check: backend={backend!r} takes no config. Received: config={config!r}; "
             "config applies to backend='deepspeed' (its config, a dict or a file), 'fsdp', "
-            "'fsdp1', 'ddp' and 'lightning' (the Trainer's keyword arguments)."
+            "'fsdp1', 'ddp', 'local' and 'lightning' (the Trainer's keyword arguments)."
         )
     valid = _CONFIG_KEYS[backend]
     if not isinstance(config, Mapping):
@@ -52,29 +58,105 @@ def _config_for(backend: str | None, config: Any) -> Any:
     return dict(config)
 
 
+def _local(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
+           options: Any) -> Checked:
+    return [], None, None
+
+
+def _deepspeed(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
+               options: Any) -> Checked:
+    from precision_annot.adapters import deepspeed
+
+    found = deepspeed.findings(plan, options)
+    if deepspeed.refused(found):
+        return found, None, None  # it does not start: nothing is reduced
+    dsp = deepspeed.translate(plan, warn=False)
+    config, stage = deepspeed.given_config(dsp, options)
+    stored = {n: e.policy.storage for n, e in dsp.plan.items() if e.policy.storage is not None}
+    return found, deepspeed.reduced(dsp, config, stage), stored
+
+
+def _fsdp(backend: str) -> Checker:
+    def run(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
+            options: Any) -> Checked:
+        from precision_annot.adapters import fsdp
+
+        options = {k: v for k, v in (options or {}).items() if k != "grad_scaler"}
+        if "units" in options and model is None:
+            raise ValueError("check: config 'units' selects modules, so it needs the model, and "
+                             "this plan holds none (it was loaded from JSON, or its model is "
+                             "gone); pass the model instead of its plan.")
+        found = fsdp.findings(plan, backend, model=model, **options)
+        names = fsdp.unit_names(plan, model, options.get("units"),
+                                merge_below=options.get("merge_below"))
+        return found, fsdp.reduced(plan, names), None
+
+    return run
+
+
+def _ddp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
+         options: Any) -> Checked:
+    from precision_annot.adapters import ddp
+
+    options = {k: v for k, v in (options or {}).items() if k != "grad_scaler"}
+    return ddp.findings(plan, wrapped, **options), ddp.reduced(plan, wrapped)[0], None
+
+
+def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
+               options: Any) -> Checked:
+    from precision_annot.adapters.lightning.checks import findings
+
+    return findings(plan, options, applied=model is not None and _applied(model)), None, None
+
+
+def _applied(model: nn.Module) -> bool:
+    from precision_annot.runtime import applied_plan
+
+    return applied_plan(model) is not None
+
+
+_CHECKS: dict[str, Checker] = {
+    "local": _local,
+    "deepspeed": _deepspeed,
+    "fsdp": _fsdp("fsdp"),
+    "fsdp1": _fsdp("fsdp1"),
+    "ddp": _ddp,
+    "lightning": _lightning,
+}
+
+
 def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
           config: Any = None) -> list[Finding]:
-    """What `backend` will ignore, refuse or run badly for this plan, found before launch.
+    """What `backend` will refuse, narrow, widen or run badly for this plan, found before launch.
+
+    Severity means one thing for every backend: an error is a run refused, a dtype silently
+    narrowed, an update lost or a tie broken; a warning is a run that goes but worse than
+    planned (silently widened, more bytes, or a measured numeric loss); an info is a cost.
 
     Args:
         model_or_plan: a model (the plan `apply` made real on it, else its annotations
-            resolved here; a `DistributedDataParallel` model is unwrapped, and under
-            backend="ddp" its comm hook is checked) or a `PrecisionPlan` (resolve it with the
-            defaults you will train with, e.g. `resolve(model, "bf16-mixed")`).
+            resolved here; wrappers are seen through, and a `DistributedDataParallel` model's
+            comm hook is checked under backend="ddp") or a `PrecisionPlan` (resolve it with
+            the defaults you will train with, e.g. `resolve(model, "bf16-mixed")`).
         backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning";
             None checks only what holds for every backend. (Default: None)
-        config: what the backend will be given. DeepSpeed: your config (a dict, or a JSON or
-            hjson file). Lightning: the Trainer's keyword arguments (`precision`, `plugins`,
-            `strategy`, `accelerator`). FSDP: `units` (FSDP2, with a model) and `merge_below` as
-            `fully_shard` takes them, and the cost model's `latency_s` and `bandwidth`. DDP:
-            `bucket_cap_mb`. (Default: None)
+        config: what the backend will be given. DeepSpeed: the config it will get, as it is (a
+            dict, or a JSON or hjson file; None: what `to_config(plan)` exports), with
+            `prepare(model)` called before `initialize`.
+            Lightning: the Trainer's keyword arguments (`precision`, `plugins`, `strategy`,
+            `accelerator`). FSDP: `units` (FSDP2, with a model) and `merge_below` as
+            `fully_shard` takes them, the cost model's `latency_s` and `bandwidth`, and for
+            FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. Local, DDP and FSDP:
+            `grad_scaler=True` when the training loop scales the loss. (Default: None)
 
     Returns:
         The findings, errors first, then warnings, then infos. Each has a severity, a stable
-        code, the module it concerns ("" for the whole model), a one-sentence message and a fix.
+        code (docs/check.md lists them), the modules it concerns, a message saying what happens
+        if it is left so, and a fix.
 
     Raises:
-        ValueError: for an unknown backend, or a config key the backend does not read.
+        ValueError: for an unknown backend, a config key the backend does not read, or a
+            DeepSpeed config DeepSpeed could not read at all.
         TypeError: when `model_or_plan` is neither a module nor a plan.
 
     Example:
@@ -84,7 +166,6 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         >>> for finding in check(resolve(model, "bf16-true")):
         ...     print(finding.severity, finding.code)
         warning low-storage
-        warning low-sensitive-op
         >>> check(resolve(model, "bf16-mixed"), "deepspeed", {"zero_optimization": {"stage": 2}})
         []
     """
@@ -92,10 +173,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         raise ValueError(f"check: backend must be None or one of {list(BACKENDS)}. "
                          f"Received: backend={backend!r}")
     options = _config_for(backend, config)
-    ddp_model = model = None
-    if isinstance(model_or_plan, nn.parallel.DistributedDataParallel):
-        ddp_model = model_or_plan
+    wrapped = model = None
     if isinstance(model_or_plan, nn.Module):
+        wrapped = model_or_plan if model_or_plan is not unwrap(model_or_plan) else None
         model = unwrap(model_or_plan)
         plan = plan_of(model)
     elif isinstance(model_or_plan, PrecisionPlan):
@@ -106,25 +186,12 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             "check: model_or_plan must be an nn.Module or a PrecisionPlan. "
             f"Received: {model_or_plan!r} (of type {type(model_or_plan).__name__})"
         )
-    found = numerics(plan, backend)
-    if backend == "deepspeed":
-        from precision_annot.adapters import deepspeed
-
-        found += deepspeed.findings(plan, options)
-    elif backend in ("fsdp", "fsdp1"):
-        from precision_annot.adapters import fsdp
-
-        if options and "units" in options and model is None:
-            raise ValueError("check: config 'units' selects modules, so it needs the model, and "
-                             "this plan holds none (it was loaded from JSON, or its model is "
-                             "gone); pass the model instead of its plan.")
-        found += fsdp.findings(plan, backend, model=model, **(options or {}))
-    elif backend == "ddp":
-        from precision_annot.adapters import ddp
-
-        found += ddp.findings(plan, ddp_model, **(options or {}))
-    elif backend == "lightning":
-        from precision_annot.adapters.lightning.checks import findings as lightning_findings
-
-        found += lightning_findings(plan, options)
+    found, comm, stored = _CHECKS[backend](plan, model, _ddp_of(wrapped), options) if (
+        backend) else ([], None, None)
+    scaled = bool(isinstance(options, Mapping) and options.get("grad_scaler"))
+    found = numerics(plan, backend, comm=comm, stored=stored, scaled=scaled) + found
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
+
+
+def _ddp_of(wrapped: nn.Module | None) -> nn.Module | None:
+    return wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None

@@ -184,9 +184,15 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> Any:
-    """--config: DeepSpeed reads its file itself (JSON or hjson); the others take a JSON dict."""
+    """--config: a JSON object written inline ('{"units": ["blocks.*"]}'), or a file: DeepSpeed
+    reads its file itself (JSON or hjson); the others take a JSON object."""
     if args.config is None:
         return None
+    if args.config.lstrip().startswith("{"):
+        try:
+            return json.loads(args.config)
+        except json.JSONDecodeError as e:
+            raise CLIError(f"--config: not a JSON object: {e}. Received: {args.config!r}") from e
     if not Path(args.config).is_file():
         raise CLIError(f"--config: no file at {args.config!r}.")
     if args.backend == "deepspeed":
@@ -203,9 +209,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from precision_annot.checking import check
     from precision_annot.findings import SEVERITIES
 
-    plan = _plan(args)
+    config = _check_config(args)
+    target: Any
+    if isinstance(config, dict) and "units" in config and ":" in args.target:
+        target = load_target(args.target)  # units select modules: check the model itself
+        if args.default is not None:
+            from precision_annot.runtime import apply
+
+            try:
+                apply(target, default=args.default)
+            except (TypeError, ValueError) as e:
+                raise CLIError(str(e)) from e
+    else:
+        target = _plan(args)
     try:
-        found = check(plan, args.backend, _check_config(args))
+        found = check(target, args.backend, config)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from e
     if args.json:
@@ -285,9 +303,10 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--backend", choices=BACKENDS,
                      help="the backend you will launch with (default: what holds for all)")
     chk.add_argument("--config", metavar="CFG.json",
-                     help="deepspeed: your config (JSON or hjson); lightning: the Trainer's "
-                          "arguments; fsdp: units, merge_below, latency_s, bandwidth; ddp: "
-                          "bucket_cap_mb (JSON)")
+                     help="a file, or a JSON object inline; deepspeed: the config it will get "
+                          "(JSON or hjson); lightning: the Trainer's arguments; fsdp: units, "
+                          "merge_below, latency_s, bandwidth; fsdp1: use_orig_params; ddp: "
+                          "bucket_cap_mb; local, ddp, fsdp: grad_scaler")
     chk.add_argument("--json", action="store_true", help="print the findings as JSON")
     demo = _command(sub, "demo", "annotate, plan and train a small transformer", _cmd_demo,
                     target=None, default=False)

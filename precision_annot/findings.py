@@ -1,26 +1,34 @@
-"""`Finding`, and what a plan's numerics say before any backend is chosen.
+"""`Finding`, what a plan's numerics say before any backend is chosen, and how a backend's dtypes
+are compared with the plan's.
 
-`check` gathers findings from here and from each adapter (each adapter knows what its backend
-ignores, refuses or runs badly); this module holds the record they all return and the checks
-that hold for every backend: loss scaling, low-precision storage, sensitive ops run in a low
-dtype, gradients summed in a narrow dtype, islands whose output is narrowed on the way out, and
-annotations that do not reach the modules they seem to cover.
+`check` gathers findings from here and from each adapter. Severity means one thing everywhere:
+
+- **error**: the run is refused, or a dtype is silently narrowed, an update vanishes, or a tie
+  breaks;
+- **warning**: it runs, but worse than planned: silently widened (more bytes), or a measured
+  numeric loss;
+- **info**: a cost, or what the backend will do that the plan leaves to it.
+
+Each adapter says what its backend will do with each module (the dtype it reduces its
+gradients in, the dtype it stores its parameters in); `drift` compares that with the plan, so
+that a narrowed dtype is always an error and a widened one always a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Literal, TypeAlias
 
 import torch
+from torch import nn
 
-from precision_annot.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, wider
-from precision_annot.plan import ModulePlan, PrecisionPlan, parent_name
-from precision_annot.policy import FIELDS, autocast_mode
+from precision_annot.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, fp32, wider
+from precision_annot.plan import PrecisionPlan, parent_name
+from precision_annot.policy import FIELDS
 
-__all__ = ["SEVERITIES", "Finding", "Severity", "numerics", "outermost"]
+__all__ = ["SEVERITIES", "Finding", "Severity", "drift", "listing", "numerics", "outermost"]
 
 Severity: TypeAlias = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
@@ -31,12 +39,15 @@ class Finding:
     """One thing a backend will ignore, refuse or run badly, found before launch.
 
     Attributes:
-        severity: "error" (it will fail or silently drop part of the plan), "warning" (it runs,
-            but worse than planned), or "info" (a trade worth knowing).
-        code: a stable name for the finding, e.g. "fp16-loss-scaling".
-        module: the module it concerns ("" for the whole model).
-        message: what is wrong, in one sentence.
-        fix: what to do about it.
+        severity: "error" (refused, a dtype silently narrowed, an update lost or a tie broken),
+            "warning" (it runs, but worse than planned: widened, or a measured numeric loss),
+            or "info" (a cost, or what the backend does with what the plan leaves open).
+        code: a stable name for the finding, e.g. "fp16-loss-scaling"; docs/check.md lists
+            every code.
+        module: the module it concerns ("" for the whole model); the first of `modules`.
+        message: what is wrong and what happens if it is left so.
+        fix: what to do about it, as code to paste where there is some.
+        modules: every module it concerns. (Default: `(module,)`, or () for the whole model)
     """
 
     severity: Severity
@@ -44,13 +55,29 @@ class Finding:
     module: str
     message: str
     fix: str
+    modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.modules and self.module:
+            object.__setattr__(self, "modules", (self.module,))
 
     def __str__(self) -> str:
         return (f"{self.severity}: {self.module or '(model)'}: {self.message} "
                 f"Fix: {self.fix} [{self.code}]")
 
-    def to_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = dataclasses.asdict(self)
+        out["modules"] = list(self.modules)
+        return out
+
+
+def listing(names: list[str], limit: int = 6) -> str:
+    """Module names as a message shows them: 'a', 'b' and 3 more."""
+    shown = [repr(n or "(root)") for n in names[:limit]]
+    more = len(names) - limit
+    if more > 0:
+        return ", ".join(shown) + f" and {more} more"
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
 
 
 def outermost(plan: PrecisionPlan, names: list[str]) -> list[str]:
@@ -69,9 +96,13 @@ def outermost(plan: PrecisionPlan, names: list[str]) -> list[str]:
     return out
 
 
-def _subtree_params(plan: PrecisionPlan, name: str) -> int:
-    prefix = f"{name}." if name else ""
-    return sum(e.params for n, e in plan.items() if n == name or n.startswith(prefix))
+def _subtree_params(plan: PrecisionPlan) -> dict[str, int]:
+    """Each module's parameter elements with its descendants', in one pass (children first)."""
+    total = {name: entry.params for name, entry in plan.items()}
+    for name in reversed(list(plan)):
+        if name:
+            total[parent_name(name)] += total[name]
+    return total
 
 
 def _bits(dtype: torch.dtype) -> int:
@@ -79,51 +110,104 @@ def _bits(dtype: torch.dtype) -> int:
     return round(-math.log2(torch.finfo(dtype).eps)) + 1
 
 
-def _class_name(entry: ModulePlan) -> str:
-    return entry.type.rsplit(".", 1)[-1]
+# -- a backend's dtypes against the plan's ------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Drift:
+    """Where a backend's dtype for one field differs from the plan's: narrowed (a narrower or
+    sideways dtype: an error) or widened (a warning), by module, as (planned, actual)."""
+
+    narrowed: dict[str, tuple[torch.dtype, torch.dtype]]
+    widened: dict[str, tuple[torch.dtype, torch.dtype]]
 
 
-def _sensitive(entry: ModulePlan) -> str | None:
-    """What kind of precision-sensitive op a module's class is: a norm, a softmax or a loss."""
-    name = _class_name(entry)
-    if "Norm" in name:
-        return "normalization"
-    if name in ("Softmax", "LogSoftmax", "Softmin", "Softmax2d"):
-        return "softmax"
-    if name.endswith("Loss"):
-        return "loss"
-    return None
+def compare(plan: PrecisionPlan, field: str, actual: Mapping[str, torch.dtype]) -> Drift:
+    """Compare what a backend does with `field` (module -> dtype) with the plan, where the
+    plan sets the field (None leaves it to the backend)."""
+    narrowed: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    widened: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    for name, dtype in actual.items():
+        planned = getattr(plan[name].policy, field)
+        if planned is None or dtype == planned:
+            continue
+        (widened if wider(dtype, planned) else narrowed)[name] = (planned, dtype)
+    return Drift(narrowed, widened)
 
 
-def numerics(plan: PrecisionPlan, backend: str | None = None) -> list[Finding]:
+_WHAT = {"comm": ("reduces the gradients of", "summed"),
+         "storage": ("stores the parameters of", "held"),
+         "compute": ("computes", "computed")}
+
+
+def drift(plan: PrecisionPlan, field: str, actual: Mapping[str, torch.dtype], *, code: str,
+          backend: str, cause: str, fix: str) -> list[Finding]:
+    """One error for the modules the backend narrows, one warning for those it widens: each
+    names the modules, the dtypes, what happens, and `fix`."""
+    found = compare(plan, field, actual)
+    verb, noun = _WHAT[field]
+    out = []
+    for severity, changes in (("error", found.narrowed), ("warning", found.widened)):
+        if not changes:
+            continue
+        names = list(changes)
+        pairs = sorted({(dtype_name(a), dtype_name(b)) for a, b in changes.values()})
+        said = "; ".join(f"planned {a}, {b} instead" for a, b in pairs)
+        elements = sum(plan[n].params for n in names)
+        if severity == "error":
+            then = (f"so they are {noun} with fewer bits than the plan gives them, silently "
+                    "(an island meant to stay wide is not)")
+        else:
+            extra = sum(plan[n].params * (changes[n][1].itemsize - changes[n][0].itemsize)
+                        for n in names)
+            then = ("so they run slower than planned" if field == "compute" else
+                    f"so they cost more than planned: {extra:,} more bytes"
+                    f"{' a step on the wire' if field == 'comm' else ' of parameters'}")
+        out.append(Finding(
+            severity, code, names[0],  # type: ignore[arg-type]
+            f"{backend} {verb} {listing(names)} ({elements:,} parameters) in another dtype than "
+            f"the plan ({said}), because {cause}, {then}.", fix, tuple(names)))
+    return out
+
+
+# -- what holds whatever the backend -------------------------------------------------------------
+
+def numerics(plan: PrecisionPlan, backend: str | None = None, *,
+             comm: Mapping[str, torch.dtype] | None = None,
+             stored: Mapping[str, torch.dtype] | None = None, scaled: bool = False
+             ) -> list[Finding]:
     """The findings that hold whatever the backend (a few depend on which one runs the plan:
     DeepSpeed keeps fp32 master weights and scales the loss itself, Lightning's plugin scales
-    the loss)."""
-    return [*_loss_scaling(plan, backend), *_low_storage(plan, backend),
-            *_sensitive_ops(plan), *_narrow_comm(plan), *_narrowed_islands(plan),
-            *_shadowed(plan)]
+    the loss). `comm` and `stored` are what the backend really reduces each module's gradients
+    in and stores its parameters in, where known; `scaled` says the loop scales the loss."""
+    return [*_loss_scaling(plan, backend, scaled), *_low_storage(plan, backend),
+            *_running_statistics(plan, backend), *_narrow_comm(plan, backend, comm, stored),
+            *_narrowed_islands(plan), *_shadowed(plan)]
 
 
-def _loss_scaling(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
-    if not plan.needs_loss_scaling or backend in ("lightning", "deepspeed"):
+def _loss_scaling(plan: PrecisionPlan, backend: str | None, scaled: bool) -> Iterator[Finding]:
+    if not plan.needs_loss_scaling or scaled or backend in ("lightning", "deepspeed"):
         return
-    users = [n for n, e in plan.items() if e.policy.uses(fp16)]
-    scaler = ("torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler, which agrees on "
+    users = [n for n, e in plan.items()
+             if e.policy.uses(fp16) or any(r.uses(fp16) for r in e.regions.values())]
+    scaler = ("torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler(), which agrees on "
               "overflow across ranks" if backend in ("fsdp", "fsdp1") else
-              "precision_annot.GradScaler (it also unscales fp16-stored gradients)")
+              "precision_annot.GradScaler() (it also unscales fp16-stored gradients)")
     yield Finding(
-        "warning", "fp16-loss-scaling", "",
-        f"The plan uses fp16 in {len(users)} modules and this path does not scale the loss by "
-        "itself, so gradients below 6e-5 lose precision and those below 3e-8 flush to zero.",
-        f"Scale the loss with {scaler}: scale, unscale before clipping, step, update.",
+        "warning", "fp16-loss-scaling", users[0] if len(users) == 1 else "",
+        f"The plan uses fp16 in {len(users)} modules ({listing(users, 3)}) and this path does "
+        "not scale the loss by itself: gradients below 6e-5 lose precision and those below "
+        "3e-8 flush to zero, so small updates vanish.",
+        f"Scale the loss with {scaler}: scale, unscale before clipping, step, update. If your "
+        "loop already does, say so: check(..., config={'grad_scaler': True}).",
+        tuple(users),
     )
 
 
 def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
     if backend == "deepspeed":
         return  # DeepSpeed's bf16 and fp16 modes keep fp32 master weights in the optimizer
-    low = [n for n, e in plan.items()
-           if e.policy.storage in LOW_PRECISION and _subtree_params(plan, n)]
+    subtree = _subtree_params(plan)
+    low = [n for n, e in plan.items() if e.policy.storage in LOW_PRECISION and subtree[n]]
     for name in outermost(plan, low):
         dtype = plan[name].policy.storage
         assert dtype is not None
@@ -132,7 +216,7 @@ def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
                  "divides 0 by 0." if dtype == fp16 else "")
         yield Finding(
             "warning", "low-storage", name,
-            f"{_subtree_params(plan, name):,} parameters are stored in {dtype_name(dtype)} "
+            f"{subtree[name]:,} parameters are stored in {dtype_name(dtype)} "
             f"with no fp32 master copy: an update smaller than about 2^-{bits} of a weight "
             f"rounds away, so small learning rates stop training.{extra}",
             f"Store them in fp32 with {dtype_name(dtype)} compute (e.g. "
@@ -141,43 +225,106 @@ def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
         )
 
 
-def _sensitive_ops(plan: PrecisionPlan) -> Iterator[Finding]:
+#: the relative error of running statistics, kept in a low dtype, above which it is reported
+RUNNING_STATS_TOLERANCE = 1e-2
+
+
+def running_stats_error(features: int, dtype: torch.dtype, steps: int = 200) -> float:
+    """Measured: the relative error of a BatchNorm's running variance kept in `dtype`, against
+    fp32, after `steps` training batches of N(3, 2) data (momentum 0.1). bf16 gives about
+    1.4e-2, fp16 about 4e-4."""
+    def run(storage: torch.dtype) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        norm = nn.BatchNorm1d(features).to(storage)
+        with torch.no_grad():
+            for _ in range(steps):
+                norm((torch.randn(32, features, generator=gen) * 2 + 3).to(storage))
+        return norm.running_var.float()  # type: ignore[union-attr]
+
+    reference = run(fp32)
+    return float((run(dtype) - reference).norm() / reference.norm())
+
+
+def _running_statistics(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
+    """A BatchNorm whose running statistics are stored in a low dtype, measured: momentum
+    updates smaller than the dtype's resolution round away. (A LayerNorm or RMSNorm run in
+    bf16 gives the same output as an fp32 island handing back bf16, so it is not reported.)"""
+    if backend == "deepspeed":
+        return
+    measured: dict[tuple[int, torch.dtype], float] = {}
     for name, entry in plan.items():
-        kind = _sensitive(entry)
-        compute = entry.policy.compute
-        if kind is None or compute not in LOW_PRECISION or autocast_mode(entry.policy) != "off":
+        storage = entry.policy.storage
+        module = plan.module(name)
+        is_norm = isinstance(module, nn.modules.batchnorm._BatchNorm) if module is not None \
+            else entry.type.rsplit(".", 1)[-1] in _BATCH_NORMS
+        if not is_norm or storage not in LOW_PRECISION:
+            continue
+        assert storage is not None
+        features = getattr(module, "num_features", 64) if module is not None else 64
+        key = (features, storage)
+        if key not in measured:
+            measured[key] = running_stats_error(features, storage)
+        error = measured[key]
+        if error <= RUNNING_STATS_TOLERANCE:
             continue
         yield Finding(
-            "warning", "low-sensitive-op", name,
-            f"This {kind} ({_class_name(entry)}) runs in {dtype_name(compute)} with autocast "
-            "off: its reductions (a mean, a variance, a sum of exponentials) lose precision "
-            "that the rest of the model then inherits.",
-            f"Make it an fp32 island (precision(fp32) or annotate(model, {{'{name}': 'fp32'}})),"
-            f" or keep its storage in fp32 so that autocast runs it as its op lists say.",
+            "warning", "low-running-stats", name,
+            f"Its running mean and variance are kept in {dtype_name(storage)}: measured over "
+            f"200 batches, the running variance drifts {error:.1%} from fp32's, because "
+            "momentum updates below the dtype's resolution round away; evaluation then "
+            "normalizes with the drifted statistics.",
+            f"Keep it in fp32: annotate(model, {{'{name}': 'fp32'}}) (or "
+            "{nn.BatchNorm2d: 'fp32'}).",
         )
 
 
-def _narrow_comm(plan: PrecisionPlan) -> Iterator[Finding]:
+_BATCH_NORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+                          "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"})
+
+
+#: the backends whose wire dtypes the plan says (the plan's hook, or Lightning registering it)
+_AS_PLANNED = (None, "local", "lightning")
+
+
+def _narrow_comm(plan: PrecisionPlan, backend: str | None,
+                 comm: Mapping[str, torch.dtype] | None,
+                 stored: Mapping[str, torch.dtype] | None) -> Iterator[Finding]:
     """One finding per (storage, comm) pair: the modules whose gradients are summed narrower
-    than they are stored."""
+    than they are stored, as the backend will store and sum them (`stored`, `comm`), else as
+    the plan asks; nothing when a backend's wire dtypes are unknown (another comm hook)."""
+    if comm is None and backend not in _AS_PLANNED:
+        return
     pairs: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for name, entry in plan.items():
-        comm, storage = entry.policy.comm, entry.policy.storage
-        if entry.params and comm is not None and storage is not None and wider(storage, comm):
-            pairs.setdefault((storage, comm), []).append(name)
-    for (storage, comm), names in pairs.items():
+        storage = (stored or {}).get(name) or entry.policy.storage or fp32
+        reduced = comm.get(name) if comm is not None else entry.policy.comm
+        if entry.params and reduced is not None and wider(storage, reduced):
+            pairs.setdefault((storage, reduced), []).append(name)
+    who = f"{backend} sums" if backend and comm is not None else (
+        "the plan asks for summing")
+    for (storage, reduced), names in pairs.items():
         params = sum(plan[n].params for n in names)
-        where = names[0] if len(names) == 1 else ""
         losses = ", ".join(f"{math.log2(n) / 2:g} at {n} ranks" for n in (8, 64, 512))
         yield Finding(
-            "info", "narrow-comm", where,
-            f"Gradients of {params:,} parameters in {len(names)} modules, stored in "
-            f"{dtype_name(storage)}, are summed across ranks in {dtype_name(comm)}, which keeps "
-            f"{_bits(comm)} significant bits; with random rounding a sum over N ranks loses "
-            f"about log2(N)/2 bits more: {losses}.",
+            "info", "narrow-comm", names[0] if len(names) == 1 else "",
+            f"{who[0].upper()}{who[1:]} the gradients of {params:,} parameters in {len(names)} modules "
+            f"({listing(names, 3)}), stored in {dtype_name(storage)}, in {dtype_name(reduced)}, "
+            f"which keeps {_bits(reduced)} significant bits; with random rounding a sum over N "
+            f"ranks loses about log2(N)/2 bits more: {losses}.",
             f"Keep comm at {dtype_name(storage)} where gradients are small beside their sum, "
-            f"or accept the trade: {storage.itemsize // comm.itemsize}x less traffic.",
+            f"or accept the trade: {storage.itemsize // reduced.itemsize}x less traffic.",
+            tuple(names),
         )
+
+
+def _bounded(type_path: str) -> bool:
+    """A module whose output is bounded: a norm's by its weights, a softmax's by 1."""
+    name = type_path.rsplit(".", 1)[-1]
+    return name in _BOUNDED or name.endswith(("LayerNorm", "RMSNorm", "GroupNorm"))
+
+
+_BOUNDED = frozenset({"LayerNorm", "RMSNorm", "GroupNorm", "Softmax", "LogSoftmax", "Softmin",
+                      "Softmax2d", *_BATCH_NORMS})
 
 
 def _narrowed_islands(plan: PrecisionPlan) -> Iterator[Finding]:
@@ -188,10 +335,8 @@ def _narrowed_islands(plan: PrecisionPlan) -> Iterator[Finding]:
         if not entry.boundary or context is None or entry.policy.output is not None:
             continue
         inner, outer = entry.policy.compute, context.policy.compute
-        if inner is None or outer != fp16 or not wider(inner, outer):
+        if inner is None or outer != fp16 or not wider(inner, outer) or _bounded(entry.type):
             continue
-        if _sensitive(entry) in ("normalization", "softmax"):
-            continue  # their outputs are bounded: a norm's by its weights, a softmax's by 1
         names.append(name)
     if not names:
         return
@@ -205,16 +350,19 @@ def _narrowed_islands(plan: PrecisionPlan) -> Iterator[Finding]:
         "If their outputs can grow that large, set output=fp32 on them or keep their callers "
         "in fp32; suggest(model, batch, low='fp16') checks this end to end (its own islands "
         "have been).",
+        tuple(names),
     )
 
 
 def _shadowed(plan: PrecisionPlan) -> Iterator[Finding]:
     """An annotation on a parent that its children, tagged by a construction scope, outrank."""
     shadowed: dict[str, set[str]] = {}
+    children: dict[str, int] = {}
     for name, entry in plan.items():
         if not name:
             continue
         parent = plan[parent_name(name)]
+        children[parent.name] = children.get(parent.name, 0) + 1
         for field in FIELDS:
             if field == "output":
                 continue
@@ -223,13 +371,13 @@ def _shadowed(plan: PrecisionPlan) -> Iterator[Finding]:
                     and getattr(entry.policy, field) != getattr(parent.policy, field)):
                 shadowed.setdefault(parent.name, set()).add(field)
     for name, fields in shadowed.items():
-        children = [n for n in plan if parent_name(n) == name and n]
+        count = children[name]
         yield Finding(
             "warning", "annotation-shadowed", name,
             f"Its {', '.join(sorted(fields))} annotation does not reach its children: they "
             "were built inside a precision_scope, and a scope's tag outranks what a module "
-            "inherits from its parent.",
+            "inherits from its parent, so they run as the scope said.",
             f"Annotate the children too (annotate(model, {{'{name}.*': ...}}) or a class "
-            f"rule), or build them outside the scope ({len(children)} "
-            f"{'child' if len(children) == 1 else 'children'}).",
+            f"rule), or build them outside the scope ({count} "
+            f"{'child' if count == 1 else 'children'}).",
         )

@@ -222,8 +222,8 @@ def test_check_exit_status_gates_on_errors(tmp_path: Path,
     assert main(["check", target, "--backend", "lightning", "--config", trainer, "--json"]) == 1
     assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["lightning-no-plugin"]
     assert main(["check", target, "--backend", "fsdp", "--config", trainer]) == 2
-    assert "unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth']" in (
-        capsys.readouterr().err)
+    assert ("unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth', "
+            "'grad_scaler']") in capsys.readouterr().err
     for backend in ("deepspeed", "lightning"):  # a missing file is bad input, not a finding
         assert main(["check", target, "--backend", backend, "--config", "gone.json"]) == 2
         assert "--config: no file at 'gone.json'" in capsys.readouterr().err
@@ -237,7 +237,8 @@ def test_check_json_lists_every_field(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["check", TARGET, "--backend", "fsdp", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert {f["code"] for f in found} == {"narrow-comm", "fsdp-small-units"}
-    assert all(set(f) == {"severity", "code", "module", "message", "fix"} for f in found)
+    assert all(set(f) == {"severity", "code", "module", "message", "fix", "modules"}
+               for f in found)
 
 
 def test_a_file_target_imports_its_siblings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -273,3 +274,11 @@ def test_export_reminds_that_prepare_is_needed(capsys: pytest.CaptureFixture[str
     captured = capsys.readouterr()
     assert "torch_autocast" in json.loads(captured.out)
     assert "deepspeed.prepare(model) before deepspeed.initialize" in captured.err
+
+
+def test_check_takes_an_inline_config_with_units(capsys: pytest.CaptureFixture[str]) -> None:
+    """0.2 read --config only as a file, and refused units for a model target (exit 2)."""
+    assert main(["check", TARGET, "--backend", "fsdp", "--config",
+                 '{"units": ["blocks.*"], "merge_below": 0.01}']) == 0
+    assert main(["check", TARGET, "--backend", "fsdp", "--config", '{"units": [']) == 2
+    assert "--config: not a JSON object" in capsys.readouterr().err

@@ -19,11 +19,12 @@ from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
 from precision_annot.dtypes import dtype_name
-from precision_annot.findings import Finding
+from precision_annot.findings import Finding, drift, listing
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan
 
-__all__ = ["Bucket", "buckets", "comm_hook", "findings", "hooked_modules", "registered_hooks"]
+__all__ = ["Bucket", "buckets", "comm_hook", "findings", "hook_name", "hooked_modules", "reduced",
+           "registered_hooks"]
 
 #: DDP's defaults: `bucket_cap_mb`, and the smaller first bucket it rebuilds after one step.
 BUCKET_CAP_MB = 25
@@ -162,66 +163,112 @@ def hooked_modules(plan: PrecisionPlan) -> list[str]:
 
 
 def registered_hooks(ddp_model: nn.Module) -> list[Callable[..., Any]] | None:
-    """The comm hooks registered on a DistributedDataParallel model, or None when this torch
-    does not say (NOTE: reads DDP's private `_comm_hooks`, the list `register_comm_hook`
-    appends to; a built-in hook registered in C++ is not in it)."""
+    """The Python comm hooks registered on a DistributedDataParallel model, or None when this
+    torch does not say (NOTE: reads DDP's private `_comm_hooks`, the list `register_comm_hook`
+    appends to; a built-in hook registered in C++ is not in it: see `hook_name`)."""
     hooks = getattr(ddp_model, "_comm_hooks", None)
     if not isinstance(hooks, list):
         return None
     return [hook for hook, _ in hooks]
 
 
+def hook_name(ddp_model: nn.Module) -> str | None:
+    """The name DDP's own logger keeps for the comm hook registered on it, Python or built-in
+    ("BuiltinCommHookType.FP16_COMPRESS"), or None when there is none or this torch does not
+    say (NOTE: DDP's private logger, which records `_register_builtin_comm_hook` too)."""
+    try:
+        name = ddp_model.logger._get_ddp_logging_data().strs_map.get("comm_hook")  # type: ignore[union-attr,operator]
+    except Exception:
+        return None
+    return name or None
+
+
+#: what DDP's own hooks reduce in: None is each parameter's own dtype
+_KNOWN_HOOKS: dict[str, torch.dtype | None] = {
+    "allreduce_hook": None, "BuiltinCommHookType.ALLREDUCE": None,
+    "fp16_compress_hook": torch.float16, "BuiltinCommHookType.FP16_COMPRESS": torch.float16,
+    "bf16_compress_hook": torch.bfloat16,
+}
+
+
+def reduced(plan: PrecisionPlan, ddp_model: nn.Module | None = None
+            ) -> tuple[dict[str, torch.dtype] | None, str]:
+    """What DDP will reduce each parameter-holding module's gradients in, and why: with the
+    plan's hook as planned, with none in their parameters' dtype, with DDP's own compress
+    hooks in fp16 or bf16; (None, why) for a hook this library does not know, or no model."""
+    stored = {n: next(iter(e.param_dtype_bytes)) for n, e in plan.items()
+              if e.params and len(e.param_dtype_bytes) == 1}
+    if ddp_model is None:
+        return None, "no DDP model was given"
+    hooks = registered_hooks(ddp_model) or []
+    if any(getattr(h, _PLAN_ATTR, None) is not None for h in hooks):
+        return {n: plan[n].policy.comm or d for n, d in stored.items()}, "its comm hook"
+    name = hook_name(ddp_model)
+    if name is None:
+        return dict(stored), "no comm hook is registered, so each gradient reduces in its " \
+            "parameter's dtype"
+    if name in _KNOWN_HOOKS:
+        dtype = _KNOWN_HOOKS[name]
+        return ({n: dtype or d for n, d in stored.items()},
+                f"the comm hook {name!r} reduces every gradient in "
+                f"{dtype_name(dtype) if dtype else 'its parameter dtype'}")
+    return None, f"the comm hook {name!r} is not the plan's, and its dtypes are unknown"
+
+
+_HOOK_FIX = ("ddp_model.register_comm_hook(None, precision_annot.adapters.ddp.comm_hook("
+             "precision_annot.runtime.applied_plan(model))), in place of any other hook")
+
+
 def findings(plan: PrecisionPlan, ddp_model: nn.Module | None = None, *,
              bucket_cap_mb: float | None = None) -> list[Finding]:
-    """What DDP will drop or run badly for this plan: per-module comm with no hook to honour
-    it, and buckets the hook must split into several all-reduces."""
+    """What DDP will drop or run badly for this plan: gradients reduced in another dtype than
+    the plan's comm (by no hook, or another hook), and buckets the hook splits into several
+    all-reduces."""
     require_plan(plan, "findings")
+    out: list[Finding] = []
     narrowed = hooked_modules(plan)
-    out = []
-    if narrowed:
+    actual, why = reduced(plan, ddp_model)
+    if actual is not None:
+        code = "ddp-no-hook" if why.startswith("no comm hook") else "ddp-other-hook"
+        out += drift(plan, "comm", actual, code=code, backend="DDP", cause=why, fix=_HOOK_FIX)
+    elif narrowed and ddp_model is None:
         comms = sorted({dtype_name(plan[n].policy.comm) for n in narrowed})
-        hooks = None if ddp_model is None else registered_hooks(ddp_model)
-        ours = [h for h in hooks or [] if getattr(h, _PLAN_ATTR, None) is not None]
-        if hooks is None:
-            out.append(Finding(
-                "info", "ddp-needs-hook", "",
-                f"DDP reduces each gradient in its parameter dtype, so the plan's comm "
-                f"({', '.join(comms)}) for {len(narrowed)} modules holds only through the "
-                "plan's comm hook.",
-                "ddp_model.register_comm_hook(None, precision_annot.adapters.ddp.comm_hook("
-                "plan)) after wrapping (Lightning's AnnotatedPrecision registers it itself).",
-            ))
-        elif not hooks:
-            out.append(Finding(
-                "error", "ddp-no-hook", "",
-                f"This DDP model has no comm hook, so the plan's comm ({', '.join(comms)}) for "
-                f"{len(narrowed)} modules is dropped: every gradient reduces in its parameter "
-                "dtype.",
-                "ddp_model.register_comm_hook(None, precision_annot.adapters.ddp.comm_hook("
-                "plan)).",
-            ))
-        elif not ours:
-            out.append(Finding(
-                "warning", "ddp-other-hook", "",
-                f"This DDP model reduces through a comm hook of its own "
-                f"({getattr(hooks[0], '__name__', hooks[0])!r}), not the plan's, so the "
-                f"plan's per-module comm ({', '.join(comms)}) holds only if that hook does "
-                "the same.",
-                "Register precision_annot.adapters.ddp.comm_hook(plan) instead.",
-            ))
+        out.append(Finding(
+            "info", "ddp-needs-hook", narrowed[0] if len(narrowed) == 1 else "",
+            f"DDP reduces each gradient in its parameter dtype, so the plan's comm "
+            f"({', '.join(comms)}) for {len(narrowed)} modules ({listing(narrowed, 3)}) holds "
+            "only through the plan's comm hook; without it they reduce in their parameter "
+            "dtype.",
+            f"{_HOOK_FIX} after wrapping (Lightning's AnnotatedPrecision registers it itself).",
+            tuple(narrowed),
+        ))
+    elif narrowed:
+        out.append(Finding(
+            "warning", "ddp-other-hook", narrowed[0] if len(narrowed) == 1 else "",
+            f"This DDP model reduces through a comm hook of its own: {why}. The plan's "
+            f"per-module comm for {listing(narrowed, 3)} holds only if that hook does the same.",
+            _HOOK_FIX, tuple(narrowed),
+        ))
+    out += _mixed_buckets(plan, bucket_cap_mb)
+    return out
+
+
+def _mixed_buckets(plan: PrecisionPlan, bucket_cap_mb: float | None) -> list[Finding]:
     predicted = buckets(plan, bucket_cap_mb=bucket_cap_mb)
     split = [b for b in predicted if len(b.comms) > 1]
-    if split:
-        total = len(predicted)
-        extra = sum(len(b.comms) - 1 for b in split)
-        mixed = sorted({dtype_name(c) for b in split for c in b.comms})
-        out.append(Finding(
-            "info", "ddp-mixed-bucket", "",
-            f"{len(split)} of DDP's {total} gradient buckets mix comm dtypes "
-            f"({', '.join(mixed)}); the comm hook reduces each dtype of a bucket separately, "
-            f"copying the gradients out and back: {total + extra} all-reduces per step "
-            f"instead of {total}.",
-            "Give modules that share a bucket one comm dtype (e.g. an island's comm equal to "
-            "the model's), or accept the extra all-reduces.",
-        ))
-    return out
+    if not split:
+        return []
+    total = len(predicted)
+    extra = sum(len(b.comms) - 1 for b in split)
+    mixed = sorted({dtype_name(c) for b in split for c in b.comms})
+    names = [m for b in split for m in b.modules]
+    return [Finding(
+        "info", "ddp-mixed-bucket", "",
+        f"{len(split)} of DDP's {total} gradient buckets mix comm dtypes "
+        f"({', '.join(mixed)}); the comm hook reduces each dtype of a bucket separately, "
+        f"copying the gradients out and back: {total + extra} all-reduces per step "
+        f"instead of {total}.",
+        "Give modules that share a bucket one comm dtype (e.g. an island's comm equal to "
+        "the model's), or accept the extra all-reduces.",
+        tuple(names),
+    )]

@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import importlib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union
@@ -43,14 +43,15 @@ from precision_annot.dtypes import (
     to_dtype,
     widest,
 )
-from precision_annot.findings import Finding
+from precision_annot.findings import Finding, drift
 from precision_annot.guards import require_module
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import Policy
 from precision_annot.runtime import apply, plan_of
 from precision_annot.wrappers import unwrap
 
-__all__ = ["DeepSpeedPlan", "prepare", "to_config", "translate"]
+__all__ = ["DeepSpeedPlan", "findings", "given_config", "prepare", "read_config", "reduced",
+           "refused", "to_config", "translate"]
 
 BaseConfig: TypeAlias = Union[Mapping[str, Any], str, "PathLike[str]", None]
 Case: TypeAlias = Literal["low_storage", "fp32", "autocast"]
@@ -382,12 +383,20 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
         # would otherwise tag every Linear and Conv with the autocast dtype.
         _fill(config, "torch_autocast", "lower_precision_safe_modules",
               classes if classes is not None else [])
+    if len(dsp.comms) == 1 and None not in dsp.comms:  # one comm dtype: every stage honours it
+        (comm,) = dsp.comms
+        given = _dtype(config.get("communication_data_type"), "communication_data_type")
+        if given is not None and given != comm:
+            raise _contradiction("communication_data_type", config["communication_data_type"],
+                                 SHORT[comm])  # type: ignore[index]
+        config["communication_data_type"] = SHORT[comm]  # type: ignore[index]
     if _zero0_ignores_comm(dsp, stage):
         warnings.warn(ZERO0_COMM, UserWarning, stacklevel=3)
 
 
-ZERO0_COMM = ("ZeRO stage 0 reduces every gradient in the parameter dtype; the plan's "
-              "per-module comm dtypes take effect with ZeRO stages 1-3.")
+ZERO0_COMM = ("ZeRO stage 0 reduces every gradient in one dtype (communication_data_type, "
+              "else the parameter dtype); the plan's per-module comm dtypes take effect with "
+              "ZeRO stages 1-3.")
 
 
 FP16_ZERO_FIX = ("Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the fp16 section) "
@@ -515,59 +524,179 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
     return model
 
 
+# -- what DeepSpeed will do with a config, and what check says about it --------------------------
+
+#: the classes DeepSpeed's torch_autocast tags with the autocast dtype when its config lists none
+DEFAULT_SAFE_MODULES = ("torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
+                        "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d")
+
+
+def read_config(base: BaseConfig) -> tuple[dict[str, Any], int]:
+    """The config as DeepSpeed reads it and its ZeRO stage; a config DeepSpeed could not read
+    at all (not JSON or hjson, a section that is not an object, a stage that is not 0-3)
+    raises `ValueError`: that is bad input, not a finding."""
+    config = _load_base(base)
+    stage = _stage(config)
+    for section in _PRECISION_SECTIONS:
+        _section(config, section)
+    return config, stage
+
+
+def given_config(dsp: DeepSpeedPlan, base: BaseConfig) -> tuple[dict[str, Any], int]:
+    """The config DeepSpeed will get, and its stage: `base` as it is, or, when there is none,
+    what `to_config(plan)` exports (the way this library launches a plan)."""
+    if base is not None:
+        return read_config(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return read_config(to_config(dsp))
+        except ValueError:  # the plan itself cannot be exported: said by _refusals
+            return {}, 0
+
+
+def reduced(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> dict[str, torch.dtype]:
+    """What DeepSpeed (0.19) reduces each parameter-holding module's gradients in, with this
+    config, after `prepare(model)` set each parameter's `comm_dtype` (in a fresh process).
+
+    - ZeRO 0 and, without torch_autocast, ZeRO 1-3: every gradient in the engine's
+      `communication_data_type`: the config's, else fp16 or bf16 with that section, else fp32.
+    - torch_autocast with ZeRO 1-3: each parameter in its `comm_dtype`, which DeepSpeed sets to
+      the autocast dtype for the exact classes `lower_precision_safe_modules` lists (Linear and
+      Conv when it lists none), over what `prepare` set; else the parameter's own dtype.
+    """
+    plan = dsp.plan
+    low = next((s for s in ("bf16", "fp16") if _flag(config, s)), None)
+    stored = {"bf16": bf16, "fp16": fp16}.get(low or "")
+    try:
+        given = _dtype(config.get("communication_data_type"), "communication_data_type")
+    except ValueError:
+        given = None  # refused by DeepSpeed: its own finding
+    engine = given or stored or fp32
+    names = _param_entries(plan)
+    autocast = _flag(config, "torch_autocast") and low is None
+    if stage == 0 or not autocast:
+        return {name: engine for name in names}
+    section = _section(config, "torch_autocast")
+    dtype = _dtype(section.get("dtype"), "torch_autocast.dtype") or fp16
+    listed = section.get("lower_precision_safe_modules")
+    classes = set(listed) if isinstance(listed, list) else set(DEFAULT_SAFE_MODULES)
+    return {name: dtype if plan[name].type in classes else (
+        plan[name].policy.comm or plan[name].policy.storage or fp32) for name in names}
+
+
 def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:
-    """What DeepSpeed will ignore, refuse or run badly for this plan with this base config,
-    worked out by the same code as `to_config` and `prepare`."""
+    """What DeepSpeed will refuse, narrow, widen or run badly for this plan with this config
+    (the config it will be given as it is, else the one `to_config(plan)` exports; and
+    `prepare(model)` called before `initialize`), worked out by the same code as `to_config`
+    and `prepare`.
+
+    Raises:
+        ValueError: for a config DeepSpeed could not read at all (bad input, not a finding).
+    """
     plan = plan_of(model_or_plan) if isinstance(model_or_plan, nn.Module) else model_or_plan
     dsp = translate(plan, warn=False)
-    try:
-        config = _load_base(base)
-        stage = _stage(config)
-    except (TypeError, ValueError) as e:
-        return [Finding("error", "deepspeed-config", "", str(e),
-                        "Fix the base config: DeepSpeed would refuse it too.")]
-    out = []
+    config, stage = given_config(dsp, base)
+    out = [*_refusals(dsp, config, stage)]
+    if refused(out):
+        return out  # DeepSpeed does not start: what it would run is moot
     if dsp.moved:
         storages = {plan[n].policy.storage for n in _param_entries(plan)}
         out.append(Finding(
-            "warning", "deepspeed-mixed-storage", "",
+            "warning", "deepspeed-mixed-storage", dsp.moved[0] if len(dsp.moved) == 1 else "",
             _mixed_storage_message(storages, len(dsp.moved), dsp.extra_bytes),
             "Accept the bytes, or make storage uniform (every module bf16 or fp16, islands "
-            "computing in fp32 over low storage).",
+            "computing in fp32 over low storage).", dsp.moved,
         ))
+    actual = reduced(dsp, config, stage)
+    cause = ("ZeRO stage 0 reduces every gradient in one dtype (communication_data_type, else "
+             "the parameter dtype)" if stage == 0 else
+             "without torch_autocast ZeRO reduces every gradient in communication_data_type, "
+             "and with it DeepSpeed tags the classes lower_precision_safe_modules lists (Linear "
+             "and Conv when it lists none) with the autocast dtype, over prepare's comm_dtype")
+    fix = ("Pass the config through precision_annot.adapters.deepspeed.to_config(plan, "
+           "config) and call prepare(model) before deepspeed.initialize" + (
+               "; per-module comm needs ZeRO stage 1-3" if stage == 0 else ""))
+    out += drift(plan, "comm", actual, code="deepspeed-zero0-comm" if stage == 0 else
+                 "deepspeed-comm", backend="DeepSpeed", cause=cause, fix=fix)
+    out += _advice(dsp, config, stage)
+    return out
+
+
+def refused(found: list[Finding]) -> bool:
+    """Whether these findings say DeepSpeed will not start at all."""
+    return any(f.message.startswith(_REFUSES) for f in found)
+
+
+def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
+    """What DeepSpeed refuses to start with, or starts and never updates."""
+    cdt = config.get("communication_data_type")
+    if cdt is not None and str(cdt).lower() not in ("fp16", "bf16", "fp32"):
+        yield Finding(
+            "error", "deepspeed-config", "",
+            f"{_REFUSES} communication_data_type={cdt!r} (\"Invalid "
+            "communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']\").",
+            "Leave it out, or give one of 'fp16', 'bf16', 'fp32'; to_config(plan, config) "
+            "fills it from the plan.")
     refusal = _fp16_zero_refusal(dsp, stage)
     if refusal:
-        out.append(Finding("error", "deepspeed-fp16-zero", "", f"{refusal}.", FP16_ZERO_FIX))
-    if _zero0_ignores_comm(dsp, stage):
-        out.append(Finding("warning", "deepspeed-zero0-comm", "", ZERO0_COMM,
-                           "Use ZeRO stage 1-3, or one comm dtype."))
-    if dsp.case == "autocast" and len(dsp.low_compute) == 1:
-        (dtype,) = dsp.low_compute
-        listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
-        if listed in (None, "auto") and safe_classes(dsp, dtype) is None:
-            out.append(Finding(
-                "info", "deepspeed-needs-prepare", "",
-                "The plan's comm dtypes cannot be said by exact class (DeepSpeed matches "
-                "module.__class__, not subclasses or instances), so the config lists no "
-                "class and each parameter carries its own comm_dtype.",
-                "Call precision_annot.adapters.deepspeed.prepare(model, plan) before "
-                "deepspeed.initialize.",
-            ))
-    scale = _static_loss_scale(config, dsp)
-    if scale is not None:
-        out.append(Finding(
-            "warning", "deepspeed-static-loss-scale", "",
-            f"The base sets fp16.loss_scale={scale!r}, a static scale: a step that overflows "
-            "is not skipped, and one that underflows is not rescued.",
-            "Set fp16.loss_scale to 0 (dynamic), or leave it out.",
-        ))
+        yield Finding("error", "deepspeed-fp16-zero", "",
+                      f"{refusal}: every step is lost.", FP16_ZERO_FIX)
+    if _flag(config, "fp16") and not _fp16_supported():
+        yield Finding(
+            "error", "deepspeed-fp16-device", "",
+            f"{_REFUSES} the fp16 section on this machine: its accelerator has no fp16 "
+            "(\"Type fp16 is not supported on your device\").",
+            "Run on a device with fp16 (a GPU), or use bf16 (fp16 compute over fp32 storage "
+            "goes through torch_autocast at ZeRO stage 0).")
     if refusal is None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 to_config(dsp, config)
         except (TypeError, ValueError) as e:
-            out.append(Finding("error", "deepspeed-config", "", str(e),
-                               "Change the base config or the plan's annotations, as the "
-                               "message says."))
-    return out
+            yield Finding("error", "deepspeed-config", "", f"{e}. {_CONSEQUENCE}",
+                          "Change the config or the plan's annotations, as the message says.")
+
+
+_REFUSES = "DeepSpeed refuses to start with"
+_CONSEQUENCE = ("Launched as it is, DeepSpeed runs every module in the config's one dtype: "
+                "under ZeRO-2 and ZeRO-3 an fp32 island then stops the first forward with "
+                "\"mat1 and mat2 must have the same dtype\", and under ZeRO-0 it trains in the "
+                "low dtype")
+
+
+def _fp16_supported() -> bool:
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return True  # not installed here: the machine that launches will say
+    try:
+        return bool(get_accelerator().is_fp16_supported())
+    except Exception:
+        return True
+
+
+def _advice(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
+    """What runs as planned but costs or risks something."""
+    if dsp.case == "autocast" and len(dsp.low_compute) == 1:
+        (dtype,) = dsp.low_compute
+        listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
+        if listed in (None, "auto", []) and safe_classes(dsp, dtype) is None:
+            yield Finding(
+                "info", "deepspeed-needs-prepare", "",
+                "The plan's comm dtypes cannot be said by exact class (DeepSpeed matches "
+                "module.__class__, not subclasses or instances), so the config lists no "
+                "class and each parameter carries its own comm_dtype.",
+                "precision_annot.adapters.deepspeed.prepare(model) before "
+                "deepspeed.initialize(model=model, config=config).",
+            )
+    scale = _static_loss_scale(config, dsp)
+    if scale is not None:
+        yield Finding(
+            "warning", "deepspeed-static-loss-scale", "",
+            f"The config sets fp16.loss_scale={scale!r}, a static scale: DeepSpeed still skips "
+            "a step whose gradients overflow, but a gradient that underflows at this scale is "
+            "not rescued by raising it, so small updates vanish.",
+            "Set fp16.loss_scale to 0 (dynamic), or leave it out.",
+        )

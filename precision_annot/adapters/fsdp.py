@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from precision_annot.dtypes import dtype_name, widest
-from precision_annot.findings import Finding
+from precision_annot.findings import Finding, drift, listing
 from precision_annot.guards import require_plan
 from precision_annot.plan import PrecisionPlan, human_bytes, nearest, parent_name
 from precision_annot.runtime import apply, plan_of
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp.wrap import CustomPolicy
 
 __all__ = ["CollectiveCost", "Unit", "UnitCost", "collective_cost", "findings", "fully_shard",
-           "mixed_precision", "plan_units", "unit_names", "wrap_policy"]
+           "mixed_precision", "plan_units", "reduced", "unit_names", "wrap_policy"]
 
 
 def unit_names(
@@ -42,6 +42,7 @@ def unit_names(
     """Names of the modules to shard as units, children before parents, the root last.
 
     A unit is made at every boundary, wherever storage changes (FSDP flattens one dtype per
+    unit), wherever comm changes on a module that holds parameters (FSDP reduces one dtype per
     unit), and at every module a selector in `units` picks (selectors as for `annotate`).
     With `merge_below`, a boundary holding less than that share of the parameters, stored in
     the dtype the unit around it is stored in, joins that unit instead: fewer collectives, but
@@ -53,7 +54,8 @@ def unit_names(
         if not name:
             continue
         parent = plan[parent_name(name)]
-        if entry.boundary or entry.policy.storage != parent.policy.storage:
+        if (entry.boundary or entry.policy.storage != parent.policy.storage
+                or (entry.policy.comm != parent.policy.comm and entry.params)):
             chosen.add(name)
     if units is not None:
         if model is None:
@@ -128,7 +130,8 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
     for name in names:
         holders = [m for m in members[name] if plan[m].params]
         storage = frozenset(k for m in holders for k in plan[m].param_dtype_bytes)
-        stored = next(iter(storage)) if len(storage) == 1 else None
+        floating = [d for d in storage if d.is_floating_point]
+        stored = floating[0] if len(floating) == 1 else None
         gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
         out.append(Unit(
             name=name,
@@ -144,14 +147,16 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
 
 
 def _mixed(units: list[Unit], plan: PrecisionPlan) -> list[tuple[Unit, str]]:
-    """Units that would hold parameters of several dtypes (pytorch issue 156784), described."""
+    """Units that would hold floating parameters of several dtypes (pytorch issue 156784),
+    described ("FSDP expects uniform original parameter dtype"; integer ones it shards alone)."""
     out = []
     for unit in units:
-        if len(unit.storage) > 1:
+        if len({d for d in unit.storage if d.is_floating_point}) > 1:
             by_dtype: dict[str, list[str]] = {}
             for m in unit.members:
                 for key in plan[m].param_dtype_bytes:
-                    by_dtype.setdefault(dtype_name(key), []).append(m)
+                    if key.is_floating_point:
+                        by_dtype.setdefault(dtype_name(key), []).append(m)
             detail = "; ".join(f"{d}: {ns}" for d, ns in by_dtype.items())
             out.append((unit, detail))
     return out
@@ -356,7 +361,8 @@ class CollectiveCost:
 def _itemsize(dtype: torch.dtype | None, unit: Unit) -> int:
     if dtype is not None:
         return dtype.itemsize
-    return next(iter(unit.storage)).itemsize if len(unit.storage) == 1 else 4
+    floating = [d for d in unit.storage if d.is_floating_point]
+    return floating[0].itemsize if len(floating) == 1 else 4
 
 
 def collective_cost(plan: PrecisionPlan, names: list[str] | None = None, *,
@@ -400,47 +406,193 @@ def collective_cost(plan: PrecisionPlan, names: list[str] | None = None, *,
                           sum(c.seconds for c in costs))
 
 
+def reduced(plan: PrecisionPlan, names: list[str]) -> dict[str, torch.dtype]:
+    """What FSDP reduces each parameter-holding module's gradients in, sharded into the units
+    `names` (as `unit_names` gives them): its unit's reduce dtype, the widest comm of the
+    unit's members (its storage where none sets one)."""
+    out: dict[str, torch.dtype] = {}
+    for unit in plan_units(plan, names):
+        floating = [d for d in unit.storage if d.is_floating_point]
+        dtype = unit.reduce_dtype or (floating[0] if len(floating) == 1 else None)
+        if dtype is None:
+            continue
+        for member in unit.members:
+            if plan[member].params:
+                out[member] = dtype
+    return out
+
+
+def _fix(backend: str) -> str:
+    if backend == "fsdp":
+        return "precision_annot.adapters.fsdp.fully_shard(model, units=[...])"
+    return ("FullyShardedDataParallel(model, auto_wrap_policy=fsdp.wrap_policy(plan), "
+            "mixed_precision=fsdp.mixed_precision(plan), device_id=torch.device('cpu'))")
+
+
 def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | None = None,
              units: Iterable[Selector] | None = None, merge_below: float | None = None,
-             latency_s: float = LATENCY_S, bandwidth: float = BANDWIDTH) -> list[Finding]:
-    """What FSDP (2, or 1 with backend="fsdp1") will refuse or run badly for this plan, sharded
-    as `fully_shard(model, plan, units=units, merge_below=merge_below)` (or `wrap_policy`)
-    would shard it."""
+             latency_s: float = LATENCY_S, bandwidth: float = BANDWIDTH,
+             use_orig_params: bool = False) -> list[Finding]:
+    """What FSDP (2, or 1 with backend="fsdp1") will refuse, narrow, widen or run badly for
+    this plan, sharded as `fully_shard(model, plan, units=units, merge_below=merge_below)` (or
+    `wrap_policy` and `mixed_precision`) would shard it. `model` (the plan's own model when it
+    holds one) lets tied and frozen parameters be seen; `use_orig_params` is FSDP1's."""
     require_plan(plan, "findings")
-    out = []
+    model = model if model is not None else plan.module("")
     units = None if units is None else list(units)
     names = unit_names(plan, model, units, merge_below=merge_below)
-    for unit, detail in _mixed(plan_units(plan, names), plan):
-        out.append(Finding("error", "fsdp-mixed-unit", unit.name,
-                           f"This FSDP unit {_mixed_message(detail)}", MIXED_FIX))
+    shards = plan_units(plan, names)
+    out = [Finding("error", "fsdp-mixed-unit", unit.name,
+                   f"This FSDP unit {_mixed_message(detail)} FSDP refuses it at the first "
+                   "forward (\"FSDP expects uniform original parameter dtype\").", MIXED_FIX)
+           for unit, detail in _mixed(shards, plan)]
+    if backend == "fsdp1":
+        out += _integer_parameters(plan, shards)
+    if model is not None:
+        out += _tied_across_units(plan, model, shards, backend)
+        if backend == "fsdp1":
+            out += _frozen_beside_trainable(plan, model, shards, use_orig_params)
+    where = "FSDP2" if backend == "fsdp" else "FSDP1"
+    out += drift(plan, "comm", reduced(plan, names), code="fsdp-unit-comm", backend=where,
+                 cause="FSDP reduces each unit's gradients in one dtype, the widest comm of the "
+                       "unit's members", fix=f"Make each of them a unit of its own: {_fix(backend)}"
+                 " with units naming them, or give the unit one comm dtype.")
+    out += _small_units(plan, model, units, names, backend, latency_s, bandwidth)
+    return out
+
+
+def _integer_parameters(plan: PrecisionPlan, shards: list[Unit]) -> list[Finding]:
+    bad = [unit for unit in shards if any(not d.is_floating_point for d in unit.storage)]
+
+    def kinds(unit: Unit) -> str:
+        return ", ".join(sorted(dtype_name(d) for d in unit.storage if not d.is_floating_point))
+
+    return [Finding(
+        "error", "fsdp-integer-param", unit.name,
+        f"This FSDP1 unit holds integer parameters ({kinds(unit)}), and FSDP1 refuses to wrap "
+        "it (\"Cannot flatten integer dtype tensors\").",
+        "Keep integer tensors as buffers (module.register_buffer), or shard with FSDP2 "
+        "(precision_annot.adapters.fsdp.fully_shard), which shards them as they are.")
+        for unit in bad]
+
+
+def _owners(model: nn.Module, plan: PrecisionPlan, shards: list[Unit]
+            ) -> dict[int, list[tuple[str, str]]]:
+    """Each parameter's owners, as (qualified name, unit)."""
+    unit_of = {m: u.name for u in shards for m in u.members}
+    named = dict(model.named_modules())
+    out: dict[int, list[tuple[str, str]]] = {}
+    for name in plan:
+        module = named.get(name)
+        if module is None:
+            continue
+        for pname, p in module.named_parameters(recurse=False):
+            full = f"{name}.{pname}" if name else pname
+            out.setdefault(id(p), []).append((full, unit_of.get(name, "")))
+    return out
+
+
+def _tied_across_units(plan: PrecisionPlan, model: nn.Module, shards: list[Unit],
+                       backend: str) -> list[Finding]:
+    out = []
+    for owners in _owners(model, plan, shards).values():
+        units = list(dict.fromkeys(u for _, u in owners))
+        if len(units) < 2:
+            continue
+        names = [n for n, _ in owners]
+        happens = ("FSDP2 refuses it (\"Parameter ... is shared with a parameter already "
+                   "managed by another FSDP group\")" if backend == "fsdp" else
+                   "FSDP1 flattens it into each unit apart, so the tie breaks: the copies "
+                   "train apart, or the forward fails on a flattened view")
+        common = _common_parent([n.rpartition(".")[0] for n in names])
+        out.append(Finding(
+            "error", "fsdp-tied-units", names[0].rpartition(".")[0],
+            f"The tied parameters {listing(names)} sit in different FSDP units "
+            f"({listing(units)}): {happens}.",
+            f"Put their modules in one unit: fully_shard(model, units=['{common}']) with "
+            "their islands annotated alike, or untie them.",
+            tuple(n.rpartition(".")[0] for n in names)))
+    return out
+
+
+def _common_parent(names: list[str]) -> str:
+    parts = [n.split(".") for n in names]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _frozen_beside_trainable(plan: PrecisionPlan, model: nn.Module, shards: list[Unit],
+                             use_orig_params: bool) -> list[Finding]:
+    """FSDP1 flattens a unit's parameters into one: with use_orig_params=False it refuses
+    frozen and trainable ones together; with True it reduce-scatters the frozen ones' zero
+    gradients with the rest (measured: 1,136 elements on the wire for 624 trainable)."""
+    named = dict(model.named_modules())
+    out = []
+    for unit in shards:
+        params = [(f"{m}.{n}" if m else n, p) for m in unit.members if m in named
+                  for n, p in named[m].named_parameters(recurse=False)
+                  if p.is_floating_point()]
+        frozen = [(n, p) for n, p in params if not p.requires_grad]
+        if not frozen or len(frozen) == len(params):
+            continue
+        if not use_orig_params:
+            out.append(Finding(
+                "error", "fsdp1-frozen-mixed", unit.name,
+                "This FSDP1 unit holds frozen and trainable parameters, and with "
+                "use_orig_params=False FSDP1 refuses to wrap it (\"Must flatten tensors with "
+                "uniform `requires_grad`\").",
+                "FullyShardedDataParallel(model, ..., use_orig_params=True, "
+                "device_id=torch.device('cpu')), or freeze whole units."))
+            continue
+        extra = sum(p.numel() * p.element_size() for _, p in frozen)
+        names = [n for n, _ in frozen]
+        out.append(Finding(
+            "warning", "fsdp1-frozen-reduced", unit.name,
+            f"This FSDP1 unit holds frozen parameters ({listing(names, 3)}) beside trainable "
+            f"ones, and FSDP1 reduce-scatters the whole flat parameter: the frozen ones' zero "
+            f"gradients cost {extra:,} more bytes on the wire a step.",
+            "Make the frozen modules units of their own (units are made at boundaries; an "
+            "annotation on them, e.g. their own comm, splits them off), or shard with FSDP2 "
+            "(precision_annot.adapters.fsdp.fully_shard), which reduces only gradients.",
+            tuple(n.rpartition(".")[0] for n in names)))
+    return out
+
+
+def _small_units(plan: PrecisionPlan, model: nn.Module | None,
+                 units: list[Selector] | None, names: list[str], backend: str,
+                 latency_s: float, bandwidth: float) -> list[Finding]:
     cost = collective_cost(plan, names, latency_s=latency_s, bandwidth=bandwidth)
     total = sum(c.unit.params for c in cost.units) or 1
     small = [c for c in cost.units if c.unit.name and c.unit.params < SMALL_UNIT * total]
-    if len(small) >= SMALL_UNITS:
-        where = "fully_shard" if backend == "fsdp" else "wrap_policy and mixed_precision"
-        merged = collective_cost(plan, unit_names(plan, model, units, merge_below=SMALL_UNIT),
-                                 latency_s=latency_s, bandwidth=bandwidth)
-        saved = cost.collectives - merged.collectives
-        trade = (f"{where}(..., merge_below={SMALL_UNIT}) makes {saved} fewer collectives per "
-                 f"step and moves {human_bytes(max(merged.bytes - cost.bytes, 0))} more, "
-                 "gathering and reducing the merged units in the islands' wider dtypes")
-        if not saved:
-            fix = ("Shard larger units: the small ones are stored unlike the unit around "
-                   "them, so they cannot merge; make storage uniform to let merge_below merge "
-                   "them.")
-        elif merged.seconds < cost.seconds:
-            fix = (f"Let small islands share their parent's unit: {trade}, about "
-                   f"{merged.seconds * 1e3:.2f} ms per step.")
-        else:
-            fix = (f"Keep them: {trade}, about {merged.seconds * 1e3:.2f} ms per step, slower "
-                   "at these constants.")
-        out.append(Finding(
-            "info", "fsdp-small-units", "",
-            f"{len(small)} of {len(cost.units)} FSDP units hold less than 1% of the parameters "
-            f"each; every unit costs 2 all-gathers and a reduce-scatter per step "
-            f"({cost.collectives} collectives in all), and these small ones are latency-bound: "
-            f"about {sum(c.seconds for c in small) * 1e3:.2f} of {cost.seconds * 1e3:.2f} ms "
-            f"per step at {latency_s * 1e6:g} us and {bandwidth / 1e9:g} GB/s.",
-            fix,
-        ))
-    return out
+    if len(small) < SMALL_UNITS:
+        return []
+    where = "fully_shard" if backend == "fsdp" else "wrap_policy and mixed_precision"
+    merged = collective_cost(plan, unit_names(plan, model, units, merge_below=SMALL_UNIT),
+                             latency_s=latency_s, bandwidth=bandwidth)
+    saved = cost.collectives - merged.collectives
+    trade = (f"{where}(..., merge_below={SMALL_UNIT}) makes {saved} fewer collectives per "
+             f"step and moves {human_bytes(max(merged.bytes - cost.bytes, 0))} more, "
+             "gathering and reducing the merged units in the islands' wider dtypes")
+    if not saved:
+        fix = ("Shard larger units: the small ones are stored unlike the unit around "
+               "them, so they cannot merge; make storage uniform to let merge_below merge "
+               "them.")
+    elif merged.seconds < cost.seconds:
+        fix = (f"Let small islands share their parent's unit: {trade}, about "
+               f"{merged.seconds * 1e3:.2f} ms per step.")
+    else:
+        fix = (f"Keep them: {trade}, about {merged.seconds * 1e3:.2f} ms per step, slower "
+               "at these constants.")
+    return [Finding(
+        "info", "fsdp-small-units", "",
+        f"{len(small)} of {len(cost.units)} FSDP units hold less than 1% of the parameters "
+        f"each; every unit costs 2 all-gathers and a reduce-scatter per step "
+        f"({cost.collectives} collectives in all), and these small ones are latency-bound: "
+        f"about {sum(c.seconds for c in small) * 1e3:.2f} of {cost.seconds * 1e3:.2f} ms "
+        f"per step at {latency_s * 1e6:g} us and {bandwidth / 1e9:g} GB/s.",
+        fix, tuple(c.unit.name for c in small),
+    )]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -65,13 +66,23 @@ def test_check_a_ddp_model_without_the_plans_hook(group: None) -> None:
     apply(model, plan)
     bare = DistributedDataParallel(model)
     found = {f.code: f for f in check(bare, "ddp")}
-    assert found["ddp-no-hook"].severity == "error"
-    assert "comm (bf16) for 2 modules is dropped" in found["ddp-no-hook"].message
+    # bf16 planned, fp32 reduced: more bytes than planned, a warning (a narrowed one errs)
+    assert found["ddp-no-hook"].severity == "warning"
+    assert found["ddp-no-hook"].modules == ("fc1.inner", "fc2.inner")
+    assert "'fc1.inner' and 'fc2.inner' (676 parameters) in another dtype than the plan " \
+        "(planned bf16, fp32 instead)" in found["ddp-no-hook"].message
+    assert "1,352 more bytes a step on the wire" in found["ddp-no-hook"].message  # 676 x 2
     foreign = DistributedDataParallel(model)
     foreign.register_comm_hook(None, allreduce_hook)
     found = {f.code: f for f in check(foreign, "ddp")}
     assert "ddp-no-hook" not in found and found["ddp-other-hook"].severity == "warning"
     assert "'allreduce_hook'" in found["ddp-other-hook"].message
+    builtin = DistributedDataParallel(model)  # 0.2 took a C++ hook for no hook at all
+    builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    found = {f.code: f for f in check(builtin, "ddp")}
+    assert found["ddp-other-hook"].severity == "error"  # the fp32 island, summed in fp16
+    assert "norm.inner" in found["ddp-other-hook"].modules
+    assert "BuiltinCommHookType.FP16_COMPRESS" in found["ddp-other-hook"].message
     ours = DistributedDataParallel(model)
     ours.register_comm_hook(None, ddp.comm_hook(plan))
     codes = {f.code for f in check(ours, "ddp")}

@@ -234,24 +234,44 @@ def codes_of(model_or_plan: Any, base: Any = BASE) -> dict[str, Any]:
 
 def test_check_says_what_to_config_refuses_in_its_words() -> None:
     plan = resolve(nn.Linear(4, 4), default="bf16")
-    base = {**BASE, "fp16": {"enabled": True}}
+    base = {**BASE, "bf16": {"enabled": False}}
     with pytest.raises(ValueError) as refused:
         dsa.to_config(plan, base)
     found = codes_of(plan, base)
-    assert list(found) == ["deepspeed-config"] and found["deepspeed-config"].severity == "error"
-    assert found["deepspeed-config"].message == str(refused.value)
-    bad = codes_of(plan, {"zero_optimization": {"stage": "two"}})["deepspeed-config"]
-    assert "zero_optimization.stage" in bad.message
-    assert codes_of(plan) == {}
+    assert found["deepspeed-config"].severity == "error"
+    assert found["deepspeed-config"].message.startswith(str(refused.value))
+    assert "mat1 and mat2 must have the same dtype" in found["deepspeed-config"].message
+    with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3"):
+        codes_of(plan, {"zero_optimization": {"stage": "two"}})  # bad input, not a finding
+    assert codes_of(plan, dsa.to_config(plan, BASE)) == {}
+    assert codes_of(plan, None) == {}  # no config: what to_config(plan) exports
+
+
+def test_check_evaluates_the_config_as_deepspeed_gets_it() -> None:
+    """Measured on 2 ranks (tests/adapters/test_check_matrix.py): a base without the plan's
+    sections runs DeepSpeed's defaults."""
+    plan = resolve(nn.Sequential(nn.Linear(4, 4)), default="bf16")
+    (found,) = codes_of(plan, BASE).values()  # no bf16 section: fp32 on the wire
+    assert (found.severity, found.code) == ("warning", "deepspeed-comm")
+    assert "to_config(plan, config)" in found.fix
+    refused = codes_of(plan, {**BASE, "bf16": {"enabled": True},
+                              "communication_data_type": "auto"})
+    assert list(refused) == ["deepspeed-config"]
+    assert "refuses to start with communication_data_type='auto'" in \
+        refused["deepspeed-config"].message
+    fp16 = codes_of(resolve(nn.Linear(4, 4), default="fp16"), {**BASE, "fp16": {"enabled": True}})
+    assert "deepspeed-fp16-device" in fp16  # this CPU has no fp16: DeepSpeed refuses it
 
 
 def test_check_mixed_storage_with_its_byte_cost() -> None:
-    found = codes_of(resolve(island(), default="bf16"))
+    plan = resolve(island(), default="bf16")
+    found = codes_of(plan, dsa.to_config(plan, BASE))
     assert list(found) == ["deepspeed-mixed-storage"]
     # the Linears' 20 + 10 parameters grow from 2 to 4 bytes each
     assert "60 more bytes of parameters" in found["deepspeed-mixed-storage"].message
     assert dsa.translate(resolve(island(), default="bf16"), warn=False).extra_bytes == 60
-    assert codes_of(resolve(nn.Sequential(nn.Linear(4, 4)), default="bf16")) == {}
+    uniform = resolve(nn.Sequential(nn.Linear(4, 4)), default="bf16")
+    assert codes_of(uniform, dsa.to_config(uniform, BASE)) == {}
 
 
 def test_check_fp16_autocast_under_zero_1_to_3() -> None:
@@ -268,28 +288,39 @@ def test_check_zero_0_ignores_per_module_comm() -> None:
     """The 2-rank run below shows it: ZeRO 0 reduces every gradient in fp32."""
     plan = resolve(nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(ScaledLinear(4, 4))),
                    default=Policy(compute=bf16, storage=fp32, comm=bf16))
-    found = codes_of(plan, {"zero_optimization": {"stage": 0}})
-    assert list(found) == ["deepspeed-zero0-comm"]
-    assert codes_of(plan, {"zero_optimization": {"stage": 1}}) == {}
+    found = codes_of(plan, dsa.to_config(plan, {"zero_optimization": {"stage": 0}}))
+    assert list(found) == ["deepspeed-zero0-comm"] and found["deepspeed-zero0-comm"].modules == (
+        "0",)  # the Linear planned in bf16, reduced in fp32
+    assert codes_of(plan, dsa.to_config(plan, {"zero_optimization": {"stage": 1}})) == {}
 
 
 def test_check_a_plan_that_needs_prepare() -> None:
     """Two Linears reduced in different dtypes cannot be said by class in the config."""
     model = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(nn.Linear(4, 4)))
-    found = codes_of(resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16)))
+    plan = resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16))
+    found = codes_of(plan, dsa.to_config(plan, BASE))
     assert list(found) == ["deepspeed-needs-prepare"]
-    assert "prepare(model, plan)" in found["deepspeed-needs-prepare"].fix
+    assert "prepare(model)" in found["deepspeed-needs-prepare"].fix
     by_class = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(ScaledLinear(4, 4)))
     plan = resolve(by_class, default=Policy(compute=bf16, storage=fp32, comm=bf16))
-    assert codes_of(plan) == {}
+    assert codes_of(plan, dsa.to_config(plan, BASE)) == {}
 
 
-def test_check_a_static_fp16_loss_scale() -> None:
+def test_check_a_static_fp16_loss_scale_as_on_a_gpu_machine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's fp16 section refuses this CPU (the finding below); where fp16 runs, a
+    static loss scale is what is left to say. Mocked: only the device's answer."""
+    monkeypatch.setattr(dsa, "_fp16_supported", lambda: True)
     plan = resolve(nn.Sequential(nn.Linear(4, 4)), default="fp16")
-    found = codes_of(plan, {**BASE, "fp16": {"loss_scale": 128}})
-    assert list(found) == ["deepspeed-static-loss-scale"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = dsa.to_config(plan, {**BASE, "fp16": {"loss_scale": 128}})
+    found = codes_of(plan, config)
+    assert found["deepspeed-static-loss-scale"].severity == "warning"
     assert "fp16.loss_scale=128" in found["deepspeed-static-loss-scale"].message
-    assert codes_of(plan, {**BASE, "fp16": {"loss_scale": 0}}) == {}
+    assert "still skips a step whose gradients overflow" in \
+        found["deepspeed-static-loss-scale"].message  # measured: it does
+    assert "deepspeed-static-loss-scale" not in codes_of(plan, dsa.to_config(plan, BASE))
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -9,6 +9,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from precision_annot.dtypes import dtype_name
 
@@ -61,3 +62,61 @@ def _wrap(original: Callable[..., Any], name: str, into: list[Call]) -> Callable
             _inside.active = False
 
     return wrapped
+
+
+# -- the wire itself: a process group that records what reaches gloo ------------------------------
+
+_REDUCING = frozenset({"allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
+                       "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                       "reduce_scatter_single", "reduce_scatter_single_coalesced"})
+_METHODS = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
+            "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
+            "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "alltoall",
+            "alltoall_base", "reduce", "gather", "scatter", "send", "recv", "recv_anysource",
+            "barrier")
+
+#: every reduction a RecordingGloo group issued in this process: (method, dtype, elements)
+WIRE: list[Call] = []
+
+
+class RecordingGloo(dist.ProcessGroup):  # type: ignore[misc]
+    """A gloo process group that records the dtype and size of every reduction, as it reaches
+    gloo: C++ callers (DDP's reducer and its built-in hooks) included, which a Python patch of
+    torch.distributed cannot see. `dist.init_process_group("recgloo")` makes one. It serves
+    DDP; FSDP and DeepSpeed need more of a process group than a Python one gives (a group name,
+    per-device backends), and call collectives from Python, where `recording` sees them."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+        super().__init__(rank, size)
+        self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "recgloo"
+
+
+def _delegate(name: str) -> Callable[..., Any]:
+    def method(self: RecordingGloo, *args: Any, **kwargs: Any) -> Any:
+        if name in _REDUCING:
+            tensors: list[torch.Tensor] = []
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    tensors.append(a)
+                elif isinstance(a, list):
+                    tensors += [t for t in a if isinstance(t, torch.Tensor)]
+            if tensors:
+                t = max(tensors, key=lambda x: x.numel())
+                WIRE.append((name, dtype_name(t.dtype), t.numel()))
+        return getattr(self.inner, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in _METHODS:
+    setattr(RecordingGloo, _name, _delegate(_name))
+
+
+def register_recording_gloo() -> None:
+    """Make "recgloo" a backend name for `init_process_group` (CPU tensors)."""
+    if "recgloo" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("recgloo", RecordingGloo, devices=["cpu"])

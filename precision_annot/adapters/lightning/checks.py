@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -24,8 +24,9 @@ from lightning.pytorch.strategies import (
 
 from precision_annot.adapters.lightning.base import PlanPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
-from precision_annot.findings import Finding
+from precision_annot.findings import Finding, drift, listing
 from precision_annot.plan import PrecisionPlan
+from precision_annot.policy import PRESETS
 
 __all__ = ["findings"]
 
@@ -67,8 +68,12 @@ def _strategy_kind(strategy: object) -> tuple[str, dict[str, Any]]:
         return "deepspeed", {"config": {"zero_optimization": {"stage": stage}},
                              "cuda_only": cuda_only}
     if issubclass(cls, (FSDPStrategy, FabricFSDP)):
-        # Lightning refuses CPU for the registered names and the exact class, not subclasses
-        return "fsdp", {"cuda_only": isinstance(strategy, str) or cls is FSDPStrategy}
+        # Lightning refuses CPU for the registered names, and its _setup_model passes FSDP1
+        # device_id=None on CPU, which FSDP1 refuses: only a subclass that replaces it runs
+        own: type = FSDPStrategy if issubclass(cls, FSDPStrategy) else FabricFSDP
+        setup = getattr(cls, "_setup_model", None)
+        return "fsdp", {"cuda_only": isinstance(strategy, str)
+                        or setup is getattr(own, "_setup_model", None)}
     if issubclass(cls, (DDPStrategy, FabricDDP)):
         kwargs = getattr(strategy, "_ddp_kwargs", None) or {}
         return "ddp", {"hook": getattr(strategy, "_ddp_comm_hook", None),
@@ -97,14 +102,143 @@ def _on_cpu(accelerator: object) -> str | None:
     return None
 
 
-def _cuda_only(strategy: str, cpu: str, fix: str) -> Finding:
+def _cuda_only(strategy: str, cpu: str, why: str, fix: str) -> Finding:
     return Finding("error", "lightning-cuda-only", "",
-                   f"Lightning's {strategy} runs only on CUDA GPUs ({cpu}), and refuses to start.",
+                   f"Lightning's {strategy} cannot start here ({cpu}): {why}.",
                    f"Run it on GPUs; on CPU, {fix}")
 
 
-def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None) -> list[Finding]:
-    """What Lightning will refuse, drop or skip for `plan` given the Trainer's arguments."""
+def _no_plugin(plan: PrecisionPlan, config: Mapping[str, Any], plugins: list[Any],
+               applied: bool) -> list[Finding]:
+    """No plugin of ours: Lightning's own precision runs. An applied plan still runs under a
+    "32-true" or "-mixed" precision (its boundaries set their own autocast); a "-true" preset
+    casts the whole model in convert_module; an unapplied plan is dropped for the preset's
+    dtypes. Each module's planned dtypes are compared with what the preset gives it."""
+    precision = config.get("precision")
+    others = [type(p).__name__ for p in plugins if _is_precision(p)]
+    preset = str(precision) if precision is not None else "32-true"
+    runs = (f"the {others[0]} plugin" if others else
+            f"precision={precision!r}" if precision is not None else "its default '32-true'")
+    fix = (f"Trainer(plugins=[AnnotatedPrecision(default={preset!r})]), without precision=.")
+    policy = PRESETS.get(preset)
+    if policy is None:  # another plugin: what it does is its own
+        return [Finding("error", "lightning-no-plugin", "",
+                        f"No AnnotatedPrecision plugin is given, so Lightning runs {runs} for "
+                        "the whole model and the plan's per-module dtypes are not applied.",
+                        fix)]
+    holders = [n for n, e in plan.items() if e.params and not e.container]
+    true_preset = policy.storage == policy.compute and preset != "32-true"
+    if applied and not true_preset:
+        return []
+    cause = (f"Lightning runs {runs}: it casts every parameter in convert_module" if applied
+             else f"no AnnotatedPrecision plugin is given and the model has no plan applied, so "
+                  f"Lightning runs {runs} for the whole model")
+    out = drift(plan, "storage", {n: policy.storage for n in holders
+                                  if policy.storage}, code="lightning-no-plugin",
+                backend="Lightning", cause=cause, fix=fix)
+    if not applied:
+        out += drift(plan, "compute", {n: policy.compute for n in holders
+                                       if policy.compute}, code="lightning-no-plugin",
+                     backend="Lightning", cause=cause, fix=fix)
+    return out
+
+
+def _both_precisions(config: Mapping[str, Any], plugins: list[Any],
+                     strategy_plugin: Any) -> list[Finding]:
+    precision = config.get("precision")
+    if precision is None and not (strategy_plugin is not None and
+                                  any(_is_precision(p) for p in plugins)):
+        return []
+    given = (f"precision={precision!r}" if precision is not None
+             else "a precision plugin on the strategy")
+    return [Finding(
+        "error", "lightning-precision", "",
+        f"{given} and a precision plugin are both given; Lightning refuses to start "
+        "(\"Received both precision= and plugins=\").",
+        "Drop it and pass its value to the plugin: "
+        f"AnnotatedPrecision(default={precision or 'bf16-mixed'!r}).",
+    )]
+
+
+def _fsdp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
+          cpu: str | None) -> list[Finding]:
+    from precision_annot.adapters import fsdp
+
+    out = []
+    if not any(isinstance(p, AnnotatedFSDPPrecision) or p == "AnnotatedFSDPPrecision"
+               for p in ours):
+        out.append(Finding(
+            "error", "lightning-strategy", "",
+            "FSDPStrategy takes only an FSDPPrecision plugin; Lightning raises a TypeError for "
+            "AnnotatedPrecision.",
+            "Trainer(strategy=FSDPStrategy(...), plugins=[AnnotatedFSDPPrecision(...)]) (with "
+            "Fabric, shard through precision_annot.adapters.fsdp instead).",
+        ))
+    if cpu and settings["cuda_only"]:
+        out.append(_cuda_only(
+            "FSDPStrategy", cpu, "it passes device_id=None to FSDP1 on CPU, which FSDP1 "
+            "refuses, and its registered names refuse CPU outright",
+            "wrap with FSDP yourself: FullyShardedDataParallel(model, auto_wrap_policy="
+            "fsdp.wrap_policy(plan), mixed_precision=fsdp.mixed_precision(plan), "
+            "device_id=torch.device('cpu')), or a FSDPStrategy subclass whose _setup_model "
+            "passes device_id=torch.device('cpu').",
+        ))
+    return out + fsdp.findings(plan, "fsdp1")
+
+
+def _deepspeed(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
+               cpu: str | None) -> list[Finding]:
+    from precision_annot.adapters import deepspeed
+
+    out = []
+    if cpu and settings["cuda_only"]:
+        out.append(_cuda_only(
+            "DeepSpeedStrategy", cpu, "its setup_environment requires a CUDA accelerator",
+            "call deepspeed.initialize yourself, with precision_annot.adapters.deepspeed."
+            "prepare(model) and to_config(model, base): DeepSpeed itself runs on CPU."))
+    return out + deepspeed.findings(plan, settings["config"])
+
+
+def _ddp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
+         cpu: str | None) -> list[Finding]:
+    from precision_annot.adapters import ddp
+
+    # the plugin registers the plan's hook itself, so only the buckets are left to say
+    out = [f for f in ddp.findings(plan, bucket_cap_mb=settings["bucket_cap_mb"])
+           if f.code == "ddp-mixed-bucket"]
+    hook = settings["hook"]
+    if hook is None or not ddp.hooked_modules(plan):
+        return out
+    name = getattr(hook, "__name__", hook)
+    if cpu:  # Lightning drops the user's hook on CPU, and the plugin then registers none
+        stored = {n: next(iter(e.param_dtype_bytes)) for n, e in plan.items()
+                  if e.params and len(e.param_dtype_bytes) == 1}
+        return out + drift(plan, "comm", stored, code="lightning-ddp-hook",
+                           backend="Lightning's DDP",
+                           cause=f"DDPStrategy(ddp_comm_hook={name}) is registered by Lightning "
+                                 f"only on CUDA ({cpu}), and the plugin registers none beside "
+                                 "it, so each gradient reduces in its parameter's dtype",
+                           fix="Drop ddp_comm_hook; AnnotatedPrecision registers the plan's "
+                               "comm hook.")
+    out.append(Finding(
+        "warning", "lightning-ddp-hook", "",
+        f"DDPStrategy(ddp_comm_hook={name}) is given and replaces the plan's comm hook, so the "
+        "plan's per-module comm holds only if that hook reduces as the plan says.",
+        "Drop ddp_comm_hook; AnnotatedPrecision registers the plan's comm hook.",
+    ))
+    return out
+
+
+_STRATEGY_CHECKS: dict[str, Callable[[PrecisionPlan, list[Any], dict[str, Any], str | None],
+                                     list[Finding]]] = {
+    "fsdp": _fsdp, "deepspeed": _deepspeed, "ddp": _ddp,
+}
+
+
+def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None, *,
+             applied: bool = False) -> list[Finding]:
+    """What Lightning will refuse, drop or skip for `plan` given the Trainer's arguments;
+    `applied` says the model it is given already has the plan applied."""
     if config is None:
         return []
     if not isinstance(config, Mapping):
@@ -115,87 +249,13 @@ def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None) -> list[Find
     plugins = config.get("plugins") or []
     plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     strategy = config.get("strategy", "auto")
-    precision = config.get("precision")
     strategy_plugin = getattr(strategy, "_precision_plugin", None)
     kind, settings = _strategy_kind(strategy)  # first: a misspelled name is bad input
     ours = [p for p in [*plugins, strategy_plugin] if _is_ours(p)]
-    out: list[Finding] = []
     if not ours:
-        others = [type(p).__name__ for p in plugins if _is_precision(p)]
-        runs = (f"the {others[0]} plugin" if others else
-                f"precision={precision!r}" if precision is not None else "its default '32-true'")
-        out.append(Finding(
-            "error", "lightning-no-plugin", "",
-            f"No AnnotatedPrecision plugin is given, so Lightning runs {runs} for the whole "
-            "model and the plan is not applied.",
-            f"Trainer(plugins=[AnnotatedPrecision(default={precision or '32-true'!r})]), "
-            "without precision=.",
-        ))
-        return out
-    if precision is not None or (strategy_plugin is not None and any(_is_precision(p)
-                                                                     for p in plugins)):
-        given = (f"precision={precision!r}" if precision is not None
-                 else "a precision plugin on the strategy")
-        out.append(Finding(
-            "error", "lightning-precision", "",
-            f"{given} and a precision plugin are both given; Lightning refuses to start "
-            "(\"Received both precision= and plugins=\").",
-            "Drop it and pass its value to the plugin: "
-            f"AnnotatedPrecision(default={precision or 'bf16-mixed'!r}).",
-        ))
-    cpu = _on_cpu(config.get("accelerator", "auto"))
-    if kind == "fsdp" and not any(isinstance(p, AnnotatedFSDPPrecision)
-                                  or p == "AnnotatedFSDPPrecision" for p in ours):
-        out.append(Finding(
-            "error", "lightning-strategy", "",
-            "FSDPStrategy takes only an FSDPPrecision plugin; Lightning raises a TypeError for "
-            "AnnotatedPrecision.",
-            "Use AnnotatedFSDPPrecision with the Trainer's FSDPStrategy (with Fabric, shard "
-            "through precision_annot.adapters.fsdp instead).",
-        ))
-    if kind == "fsdp":
-        from precision_annot.adapters import fsdp
-
-        if cpu and settings["cuda_only"]:
-            out.append(_cuda_only("FSDPStrategy", cpu,
-                                  "wrap with FSDP yourself, with precision_annot.adapters.fsdp."
-                                  "wrap_policy(plan) and mixed_precision(plan): FSDP itself "
-                                  "runs on CPU with gloo."))
-        out += fsdp.findings(plan, "fsdp1")
-    if kind == "deepspeed":
-        from precision_annot.adapters import deepspeed
-
-        if cpu and settings["cuda_only"]:
-            out.append(_cuda_only("DeepSpeedStrategy", cpu,
-                                  "call deepspeed.initialize yourself, with "
-                                  "precision_annot.adapters.deepspeed.prepare(model) and "
-                                  "to_config(model, base): DeepSpeed itself runs on CPU."))
-        out += deepspeed.findings(plan, settings["config"])
-    if kind == "ddp":
-        from precision_annot.adapters import ddp
-
-        # the plugin registers the plan's hook itself, so only the buckets are left to say
-        out += [f for f in ddp.findings(plan, bucket_cap_mb=settings["bucket_cap_mb"])
-                if f.code == "ddp-mixed-bucket"]
-        hook = settings["hook"]
-        if hook is not None and ddp.hooked_modules(plan):
-            where = (f"on CPU ({cpu}) Lightning does not register it, and the plugin then "
-                     "registers none, so gradients reduce in the parameter dtype" if cpu else
-                     "it replaces the plan's hook")
-            out.append(Finding(
-                "error" if cpu else "warning", "lightning-ddp-hook", "",
-                f"DDPStrategy(ddp_comm_hook={getattr(hook, '__name__', hook)}) is given and "
-                f"the plan reduces some gradients in another dtype than they are stored in: "
-                f"{where}.",
-                "Drop ddp_comm_hook; AnnotatedPrecision registers the plan's comm hook.",
-            ))
-    if cpu and kind not in ("deepspeed", "fsdp"):
-        out.append(Finding(
-            "info", "lightning-cpu", "",
-            f"This run is on CPU ({cpu}), where Lightning skips its CUDA-only paths: it "
-            "registers DDPStrategy(ddp_comm_hook=...) only on CUDA and refuses DeepSpeedStrategy "
-            "and FSDPStrategy; AnnotatedPrecision registers the plan's DDP comm hook itself.",
-            "Nothing to change for this strategy; test DeepSpeed and FSDP on CPU through their "
-            "adapters directly.",
-        ))
+        return _no_plugin(plan, config, plugins, applied)
+    out = _both_precisions(config, plugins, strategy_plugin)
+    check = _STRATEGY_CHECKS.get(kind)
+    if check is not None:
+        out += check(plan, ours, settings, _on_cpu(config.get("accelerator", "auto")))
     return out

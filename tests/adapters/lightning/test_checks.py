@@ -22,7 +22,16 @@ def found(config: dict[str, Any], default: Any = POLICY) -> dict[str, Finding]:
 
 
 class CPUFSDPStrategy(FSDPStrategy):  # type: ignore[misc]
-    """A subclass: Lightning's CPU refusal is for the exact class, its plugin check for all."""
+    """A subclass: Lightning's CPU refusal by name is for the registered names, its plugin
+    check for all; its _setup_model still passes FSDP1 device_id=None, which FSDP refuses on
+    CPU (tests/adapters/test_check_matrix.py runs it)."""
+
+
+class DeviceFSDPStrategy(CPUFSDPStrategy):
+    """A subclass that gives FSDP1 a CPU device, as tests/workers/lightning.py's does."""
+
+    def _setup_model(self, model: Any) -> Any:
+        raise NotImplementedError  # only its presence is read here
 
 
 def trainer(**kwargs: Any) -> L.Trainer:
@@ -31,9 +40,12 @@ def trainer(**kwargs: Any) -> L.Trainer:
 
 def test_no_plugin_means_the_plan_is_not_applied() -> None:
     (f,) = found({"precision": "bf16-mixed"}).values()
-    assert (f.severity, f.code) == ("error", "lightning-no-plugin")
-    assert "runs precision='bf16-mixed' for the whole model" in f.message
+    assert (f.severity, f.code) == ("error", "lightning-no-plugin")  # the fp32 island in bf16
+    assert "Lightning runs precision='bf16-mixed' for the whole model" in f.message
+    assert f.modules == ("norm",) and "planned fp32, bf16 instead" in f.message
     assert "AnnotatedPrecision(default='bf16-mixed')" in f.fix
+    (widened,) = found({"precision": "32-true"}).values()  # the bf16 layers run fp32
+    assert (widened.severity, widened.code) == ("warning", "lightning-no-plugin")
     assert found({"plugins": [AnnotatedPrecision()], "accelerator": "gpu"}) == {}
 
 
@@ -61,10 +73,13 @@ def test_cuda_only_strategies_on_cpu() -> None:
             else AnnotatedPrecision()
         got = found({"strategy": strategy, "plugins": [plugin], "accelerator": "cpu"})
         assert got["lightning-cuda-only"].severity == "error", strategy
-        assert "lightning-cpu" not in got
         got = found({"strategy": strategy, "plugins": [plugin], "accelerator": "gpu"})
         assert "lightning-cuda-only" not in got
-    assert "lightning-cuda-only" not in found({"strategy": CPUFSDPStrategy(), "accelerator": "cpu",
+    fsdp1 = found({"strategy": CPUFSDPStrategy(), "accelerator": "cpu",
+                   "plugins": [AnnotatedFSDPPrecision()]})["lightning-cuda-only"]
+    assert "device_id=None" in fsdp1.message and "device_id=torch.device('cpu')" in fsdp1.fix
+    assert "lightning-cuda-only" not in found({"strategy": DeviceFSDPStrategy(),
+                                               "accelerator": "cpu",
                                                "plugins": [AnnotatedFSDPPrecision()]})
     with pytest.raises(ValueError, match="requires a GPU accelerator"):
         trainer(strategy="fsdp", plugins=[AnnotatedFSDPPrecision()])
@@ -90,19 +105,20 @@ def test_ddp_comm_hook_given_with_a_plan_that_sets_comm() -> None:
                 "accelerator": accelerator}
 
     cpu = found(config("cpu"))
-    assert cpu["lightning-ddp-hook"].severity == "error"  # Lightning drops it; the plan's too
-    assert "lightning-cpu" in cpu and "ddp-mixed-bucket" in cpu
+    # Lightning drops it on CPU, and the plan's too: the bf16 layers reduce in fp32, widened
+    assert cpu["lightning-ddp-hook"].severity == "warning"
+    assert cpu["lightning-ddp-hook"].modules == ("fc1", "fc2")
+    assert "ddp-mixed-bucket" in cpu
     assert "ddp-needs-hook" not in cpu  # the plugin registers the plan's hook
     assert found(config("gpu"))["lightning-ddp-hook"].severity == "warning"  # it replaces ours
     assert "lightning-ddp-hook" not in found(config("cpu", hook=None))
     assert "lightning-ddp-hook" not in found(config("cpu"), default="32-true")
 
 
-def test_cpu_paths_are_mentioned_on_cpu_only() -> None:
+def test_a_cpu_run_gets_no_finding_for_being_on_cpu() -> None:
+    """0.2 added an info with "Nothing to change" to every CPU run; an info is a cost."""
     config = {"strategy": "ddp", "plugins": [AnnotatedPrecision()], "accelerator": "cpu"}
-    info = found(config)["lightning-cpu"]
-    assert info.severity == "info" and "only on CUDA" in info.message
-    assert "lightning-cpu" not in found({**config, "accelerator": "gpu"})
+    assert not [f for f in check(resolve(Net(), default="bf16-mixed"), "lightning", config)]
 
 
 def test_config_must_be_the_trainers_keyword_arguments() -> None:
