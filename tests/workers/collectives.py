@@ -90,7 +90,7 @@ class RecordingGloo(dist.ProcessGroup):  # type: ignore[misc]
         super().__init__(rank, size)
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return "recgloo"
 
 

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import (
 
 from precision_annot.adapters.lightning.base import PlanPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
-from precision_annot.findings import Finding, drift, listing
+from precision_annot.findings import Finding, drift
 from precision_annot.plan import PrecisionPlan
 from precision_annot.policy import PRESETS
 
