@@ -308,7 +308,8 @@ def _narrow_comm(plan: PrecisionPlan, backend: str | None,
         yield Finding(
             "info", "narrow-comm", names[0] if len(names) == 1 else "",
             f"{who[0].upper()}{who[1:]} the gradients of {params:,} parameters in "
-            f"{len(names)} modules ({listing(names, 3)}), stored in {dtype_name(storage)}, in {dtype_name(reduced)}, "
+            f"{len(names)} modules ({listing(names, 3)}), stored in {dtype_name(storage)}, "
+            f"in {dtype_name(reduced)}, "
             f"which keeps {_bits(reduced)} significant bits; with random rounding a sum over N "
             f"ranks loses about log2(N)/2 bits more: {losses}.",
             f"Keep comm at {dtype_name(storage)} where gradients are small beside their sum, "
