@@ -4,22 +4,26 @@ Declare with `precision` (class, instance or function), `precision_scope` or `an
 `resolve` computes each module's `Policy` into a `PrecisionPlan`; `apply` makes it real
 locally, and `precision_annot.adapters` hand it to Lightning, DeepSpeed, FSDP and DDP.
 `audit` proves what ran, `suggest` finds the fp32 islands a model needs, and `check` says
-before launch what a backend will ignore, refuse or run badly.
+before launch what a backend will refuse, narrow, widen or run badly.
+
+Everything public is named here (and in `precision_annot.adapters`); the implementation lives
+in `precision_annot._src`, whose modules are internal.
 """
 
-from precision_annot.annotation import annotate, precision
-from precision_annot.auditing import audit
-from precision_annot.checking import check
-from precision_annot.dtypes import bf16, fp16, fp32, fp64
-from precision_annot.findings import Finding
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import Policy
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply, remove
-from precision_annot.scaler import GradScaler
-from precision_annot.scope import precision_scope
-from precision_annot.suggestion import suggest
-from precision_annot.version import VERSION
+from precision_annot._src.annotation import annotate, precision
+from precision_annot._src.auditing import AuditReport, Divergence, audit
+from precision_annot._src.boundary import DriftError
+from precision_annot._src.checking import check
+from precision_annot._src.dtypes import bf16, fp16, fp32, fp64
+from precision_annot._src.findings import Finding, Severity
+from precision_annot._src.plan import ModulePlan, PrecisionPlan
+from precision_annot._src.policy import Policy
+from precision_annot._src.resolution import resolve
+from precision_annot._src.runtime import applied_plan, apply, remove
+from precision_annot._src.scaler import GradScaler
+from precision_annot._src.scope import precision_scope
+from precision_annot._src.suggestion import Suggestion, suggest
+from precision_annot._src.version import VERSION
 
 __all__ = [
     "fp64",
@@ -33,12 +37,19 @@ __all__ = [
     "resolve",
     "apply",
     "remove",
+    "applied_plan",
     "PrecisionPlan",
+    "ModulePlan",
+    "DriftError",
     "audit",
+    "AuditReport",
+    "Divergence",
     "GradScaler",
     "suggest",
+    "Suggestion",
     "check",
     "Finding",
+    "Severity",
 ]
 
 __version__ = VERSION

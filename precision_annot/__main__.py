@@ -1,3 +1,3 @@
-from precision_annot.cli import main
+from precision_annot._src.cli import main
 
 raise SystemExit(main())

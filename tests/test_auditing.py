@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from precision_annot import Policy, apply, audit, bf16, fp16, fp32, precision, resolve
-from precision_annot._demo import build_model
-from precision_annot.cli import main
+from precision_annot._src.cli import main
+from precision_annot._src.demo_model import build_model
 
 
 def step(model: nn.Module, x: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from precision_annot import (
     precision_scope,
     resolve,
 )
-from precision_annot.runtime import installed_boundaries
+from precision_annot._src.runtime import installed_boundaries
 from tests.helpers import Recorder, island_model, tol
 
 LOW = [bf16, fp16]
@@ -315,7 +315,7 @@ def test_boundary_casts_appear_by_name_in_the_profiler() -> None:
 
 
 def test_autocast_device_comes_from_integer_inputs_and_weights() -> None:
-    from precision_annot.boundary import device_type_of as _device_type
+    from precision_annot._src.boundary import device_type_of as _device_type
 
     tokens = torch.zeros(2, 3, dtype=torch.long, device="meta")
     assert _device_type(None, (tokens,), {}, nn.Linear(2, 2)) == "meta"

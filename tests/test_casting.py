@@ -11,7 +11,7 @@ from precision_annot import (
     fp16,
     fp32,
 )
-from precision_annot.casting import cast_tree
+from precision_annot._src.casting import cast_tree
 
 
 @pytest.mark.parametrize("src", [fp32, bf16, fp16])

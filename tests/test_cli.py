@@ -12,9 +12,9 @@ import torch
 
 import precision_annot
 from precision_annot import PrecisionPlan, resolve
-from precision_annot.cli import main
+from precision_annot._src.cli import main
 
-TARGET = "precision_annot._demo:build_model"
+TARGET = "precision_annot._src.demo_model:build_model"
 
 
 def test_report_prints_the_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -50,9 +50,9 @@ def test_export_deepspeed_to_a_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["report", "no_such_module_xyz:make"], "Cannot import 'no_such_module_xyz'"),
-     (["report", "precision_annot.dtypes:dtype_name"], "Calling precision_annot.dtypes"),
-     (["report", "precision_annot.dtypes:fp32"], "must return an nn.Module"),
-     (["report", "precision_annot._demo"], "TARGET must be"),
+     (["report", "precision_annot._src.dtypes:dtype_name"], "Calling precision_annot._src.dtypes"),
+     (["report", "precision_annot._src.dtypes:fp32"], "must return an nn.Module"),
+     (["report", "precision_annot._src.demo_model"], "TARGET must be"),
      (["report", TARGET, "--default", "fp9"], "'fp9'"),
      (["export", "deepspeed", TARGET, "-o", "/nonexistent-dir/x/ds.json"], "Cannot write"),
      (["export", "deepspeed", TARGET, "--base", "/nonexistent.json"], "no file at")],

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from precision_annot import annotate, apply, resolve
-from precision_annot._demo import Norm, TinyTransformer
-from precision_annot.demo import _batches, _next_token_loss, train_loop
-from precision_annot.suggestion import relative_error, suggest
+from precision_annot._src.demo_model import Norm, TinyTransformer
+from precision_annot._src.demo_runner import _batches, _next_token_loss, train_loop
+from precision_annot._src.suggestion import relative_error, suggest
 
 
 def test_module_entry_point_and_demo(tmp_path: Path) -> None:

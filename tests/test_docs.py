@@ -51,9 +51,9 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert " ".join(shown.split()) in " ".join(printed.getvalue().split()), shown
 
 
-MODULES = ["precision_annot.policy", "precision_annot.annotation", "precision_annot.resolution",
-           "precision_annot.runtime", "precision_annot.auditing", "precision_annot.scaler",
-           "precision_annot.suggestion", "precision_annot.checking"]
+MODULES = [f"precision_annot._src.{name}" for name in (
+    "policy", "annotation", "resolution", "runtime", "auditing", "scaler", "suggestion",
+    "checking")]
 
 
 @pytest.mark.parametrize("name", MODULES)

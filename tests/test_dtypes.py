@@ -7,7 +7,7 @@ import torch
 
 import precision_annot as pa
 from precision_annot import bf16, fp16, fp32, fp64
-from precision_annot.dtypes import to_dtype
+from precision_annot._src.dtypes import to_dtype
 
 
 def test_reexported_dtypes_are_torch_dtypes() -> None:

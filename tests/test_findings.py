@@ -20,7 +20,7 @@ from precision_annot import (
     precision_scope,
     resolve,
 )
-from precision_annot.findings import numerics, outermost
+from precision_annot._src.findings import numerics, outermost
 from tests.helpers import Recorder
 
 
@@ -116,7 +116,7 @@ def test_a_layer_norm_in_a_low_dtype_is_not_reported(norm: type[nn.Module], low:
 
 def test_batch_norm_statistics_kept_low_are_measured() -> None:
     """Only BatchNorm's running statistics degrade, measured: bf16 drifts past 1%, fp16 not."""
-    from precision_annot.findings import RUNNING_STATS_TOLERANCE, running_stats_error
+    from precision_annot._src.findings import RUNNING_STATS_TOLERANCE, running_stats_error
 
     assert running_stats_error(32, bf16) > RUNNING_STATS_TOLERANCE > running_stats_error(32, fp16)
     model = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32))

@@ -32,7 +32,7 @@ def test_the_sdist_ships_no_test_rather_than_some(tmp_path: Path) -> None:
         names = archive.getnames()
     assert not [n for n in names if "/tests/" in n or n.endswith(("conftest.py", "helpers.py"))]
     assert any(n.endswith("/LICENSE") for n in names)
-    assert any(n.endswith("precision_annot/runtime.py") for n in names)
+    assert any(n.endswith("precision_annot/_src/runtime.py") for n in names)
 
 
 def test_the_readme_loop_runs_in_bf16_too() -> None:

@@ -19,7 +19,7 @@ from precision_annot import (
     precision_scope,
     resolve,
 )
-from precision_annot.runtime import installed_boundaries
+from precision_annot._src.runtime import installed_boundaries
 
 
 def _model() -> nn.Module:

@@ -9,7 +9,7 @@ import torch
 
 import precision_annot as pa
 from precision_annot import Policy, bf16, fp16, fp32, fp64
-from precision_annot.policy import as_policy
+from precision_annot._src.policy import as_policy
 
 DTYPES = [None, fp64, fp32, fp16, bf16]
 

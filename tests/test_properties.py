@@ -33,8 +33,8 @@ from precision_annot import (
     remove,
     resolve,
 )
-from precision_annot.boundary import Boundary, CastingDict
-from precision_annot.runtime import installed_boundaries
+from precision_annot._src.boundary import Boundary, CastingDict
+from precision_annot._src.runtime import installed_boundaries
 
 D = 4
 DTYPES = [None, fp32, bf16, fp16]

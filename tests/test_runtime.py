@@ -27,8 +27,8 @@ from precision_annot import (
     remove,
     resolve,
 )
-from precision_annot.boundary import Boundary
-from precision_annot.runtime import applied_plan, installed_boundaries
+from precision_annot._src.boundary import Boundary
+from precision_annot._src.runtime import applied_plan, installed_boundaries
 from tests.helpers import Recorder, island_model
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
-from precision_annot.suggestion import Suggestion, suggest
+from precision_annot._src.suggestion import Suggestion, suggest
 
 GAIN = 2.0 ** 16  # exact in every dtype; lifts values of a few units past fp16's 65504
 

@@ -14,6 +14,9 @@ def test_public_names() -> None:
         "fp64", "fp32", "fp16", "bf16", "Policy", "precision", "precision_scope", "annotate",
         "resolve", "apply", "remove", "PrecisionPlan", "audit", "GradScaler", "suggest",
         "check", "Finding",
+        # what those return or raise, and the plan an applied model holds
+        "ModulePlan", "AuditReport", "Divergence", "Suggestion", "Severity", "DriftError",
+        "applied_plan",
     }
     for name in precision_annot.__all__:
         assert getattr(precision_annot, name) is not None
@@ -77,5 +80,6 @@ def test_the_package_imports_form_no_cycle_and_no_private_name_crosses_modules()
             visit(node, [])
     # the core needs no adapter; the entry points reach them lazily, for the backend asked about
     core = {n for n in graph if not n.startswith("precision_annot.adapters")}
-    for name in core - {"precision_annot.cli", "precision_annot.demo", "precision_annot.checking"}:
+    for name in core - {"precision_annot._src.cli", "precision_annot._src.demo_runner",
+                        "precision_annot._src.checking"}:
         assert not {d for d in graph[name] if d.startswith("precision_annot.adapters")}, name

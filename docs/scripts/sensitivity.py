@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from precision_annot._demo import TinyTransformer
-from precision_annot.demo import _batches, _next_token_loss
-from precision_annot.suggestion import Suggestion, suggest
+from precision_annot._src.demo_model import TinyTransformer
+from precision_annot._src.demo_runner import _batches, _next_token_loss
+from precision_annot._src.suggestion import Suggestion, suggest
 
 
 def render(out: Path) -> Suggestion:

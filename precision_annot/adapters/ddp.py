@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
-from precision_annot.dtypes import dtype_name
-from precision_annot.findings import Finding, drift, listing
-from precision_annot.guards import require_plan
-from precision_annot.plan import PrecisionPlan
+from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.findings import Finding, drift, listing
+from precision_annot._src.guards import require_plan
+from precision_annot._src.plan import PrecisionPlan
 
 __all__ = ["Bucket", "buckets", "comm_hook", "findings", "hook_name", "hooked_modules", "reduced",
            "registered_hooks"]
@@ -216,7 +216,7 @@ def reduced(plan: PrecisionPlan, ddp_model: nn.Module | None = None
 
 
 _HOOK_FIX = ("ddp_model.register_comm_hook(None, precision_annot.adapters.ddp.comm_hook("
-             "precision_annot.runtime.applied_plan(model))), in place of any other hook")
+             "precision_annot.applied_plan(model))), in place of any other hook")
 
 
 def findings(plan: PrecisionPlan, ddp_model: nn.Module | None = None, *,

@@ -32,7 +32,7 @@ from typing import Any, Literal, TypeAlias, Union
 import torch
 from torch import nn
 
-from precision_annot.dtypes import (
+from precision_annot._src.dtypes import (
     DTYPE_NAMES,
     LOW_PRECISION,
     SHORT,
@@ -43,12 +43,12 @@ from precision_annot.dtypes import (
     to_dtype,
     widest,
 )
-from precision_annot.findings import Finding, drift
-from precision_annot.guards import require_module
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import Policy
-from precision_annot.runtime import apply, plan_of
-from precision_annot.wrappers import unwrap
+from precision_annot._src.findings import Finding, drift
+from precision_annot._src.guards import require_module
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import Policy
+from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.wrappers import unwrap
 
 __all__ = ["DeepSpeedPlan", "findings", "given_config", "prepare", "read_config", "reduced",
            "refused", "to_config", "translate"]
@@ -121,12 +121,12 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
             if p.storage in LOW_PRECISION:
                 moved[name] = Policy(compute=p.compute or p.storage, storage=fp32, comm=p.comm,
                                      output=p.output)
-        extra = sum(e.params * (4 - e.policy.storage.itemsize) for n, e in plan.items()
-                    if n in moved and e.policy.storage is not None)
+        widened = plan.with_policies(moved)
+        extra = sum(widened[n].param_bytes - plan[n].param_bytes for n in moved)
         if warn:
             warnings.warn(_mixed_storage_message(storages, len(moved), extra), UserWarning,
                           stacklevel=3)
-        plan = plan.with_policies(moved)
+        plan = widened
     names = _param_entries(plan)
     return DeepSpeedPlan(
         plan=plan,

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from precision_annot.dtypes import dtype_name, widest
-from precision_annot.findings import Finding, drift, listing
-from precision_annot.guards import require_plan
-from precision_annot.plan import PrecisionPlan, human_bytes, nearest, parent_name
-from precision_annot.runtime import apply, plan_of
-from precision_annot.selectors import Selector, matcher
-from precision_annot.wrappers import unwrap
+from precision_annot._src.dtypes import dtype_name, widest
+from precision_annot._src.findings import Finding, drift, listing
+from precision_annot._src.guards import require_plan
+from precision_annot._src.plan import PrecisionPlan, human_bytes, nearest, parent_name
+from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.selectors import Selector, matcher
+from precision_annot._src.wrappers import unwrap
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy

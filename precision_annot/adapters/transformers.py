@@ -30,10 +30,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from precision_annot.dtypes import fp16, fp32, to_dtype, wider
-from precision_annot.plan import PrecisionPlan, parent_name
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply, plan_of
+from precision_annot._src.dtypes import fp16, fp32, to_dtype, wider
+from precision_annot._src.plan import PrecisionPlan, parent_name
+from precision_annot._src.resolution import resolve
+from precision_annot._src.runtime import apply, plan_of
 
 __all__ = ["HFKeepInFP32", "from_pretrained", "keep_in_fp32_patterns", "rules",
            "save_pretrained", "units"]
@@ -199,7 +199,7 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
     if plan is None and saved.is_file():
         plan = PrecisionPlan.from_json(saved.read_text())
     if plan is None:
-        from precision_annot.annotation import annotate
+        from precision_annot._src.annotation import annotate
 
         annotate(model, rules(model), strict=False)
         plan = resolve(model)

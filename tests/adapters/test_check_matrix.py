@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from precision_annot import PrecisionPlan, apply, check
+from precision_annot._src.dtypes import dtype_from_name, wider
+from precision_annot._src.findings import SEVERITIES
 from precision_annot.adapters import deepspeed as ds_adapter
-from precision_annot.dtypes import dtype_from_name, wider
-from precision_annot.findings import SEVERITIES
 from tests.helpers import deepspeed_op_built, launch
 from tests.workers.matrix import register_hook
 from tests.workers.scenarios import SCENARIOS, Scenario, build_applied

@@ -14,8 +14,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from precision_annot import Policy, PrecisionPlan, apply, bf16, check, fp32, precision, resolve
+from precision_annot._src.runtime import applied_plan
 from precision_annot.adapters import ddp
-from precision_annot.runtime import applied_plan
 from tests.adapters.distributed import check_training, run_ranks
 from tests.workers.models import POLICY, Net
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from precision_annot import Policy, PrecisionPlan, apply, bf16, fp16, fp32, precision, resolve
+from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.plan import human_bytes
 from precision_annot.adapters import fsdp
-from precision_annot.dtypes import dtype_name
-from precision_annot.plan import human_bytes
 from tests.adapters.distributed import check_training, run_ranks
 from tests.helpers import Recorder
 from tests.workers.dist import MERGE_BELOW

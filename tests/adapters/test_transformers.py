@@ -25,7 +25,7 @@ from precision_annot import (
     remove,
     resolve,
 )
-from precision_annot.runtime import installed_boundaries
+from precision_annot._src.runtime import installed_boundaries
 
 transformers = pytest.importorskip("transformers")
 from precision_annot.adapters import transformers as hf  # noqa: E402

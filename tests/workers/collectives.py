@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from precision_annot.dtypes import dtype_name
+from precision_annot._src.dtypes import dtype_name
 
 NAMES = ("all_reduce", "reduce", "all_gather", "reduce_scatter", "reduce_scatter_tensor",
          "reduce_scatter_single", "all_gather_into_tensor", "all_gather_single",

@@ -21,8 +21,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from precision_annot import resolve
+from precision_annot._src.dtypes import dtype_name
 from precision_annot.adapters import deepspeed as ds_adapter
-from precision_annot.dtypes import dtype_name
 from tests.workers import leave
 from tests.workers.collectives import recording
 from tests.workers.models import Net

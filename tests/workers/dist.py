@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 
 from precision_annot import PrecisionPlan, apply, fp32, resolve
+from precision_annot._src.dtypes import dtype_name
 from precision_annot.adapters import ddp as ddp_adapter
 from precision_annot.adapters import fsdp as fsdp_adapter
 from precision_annot.adapters.fsdp import plan_name
-from precision_annot.dtypes import dtype_name
 from tests.workers import leave
 from tests.workers.collectives import recording
 from tests.workers.models import POLICY, Net

@@ -19,10 +19,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from precision_annot import resolve
+from precision_annot._src.dtypes import dtype_name
 from precision_annot.adapters import fsdp
 from precision_annot.adapters.fsdp import plan_name
 from precision_annot.adapters.lightning import AnnotatedFSDPPrecision, AnnotatedPrecision
-from precision_annot.dtypes import dtype_name
 from tests.workers import leave
 from tests.workers.collectives import recording
 from tests.workers.models import POLICY, Net

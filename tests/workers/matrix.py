@@ -32,11 +32,11 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from precision_annot import GradScaler, apply
+from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.runtime import applied_plan
 from precision_annot.adapters import ddp as ddp_adapter
 from precision_annot.adapters import deepspeed as ds_adapter
 from precision_annot.adapters import fsdp as fsdp_adapter
-from precision_annot.dtypes import dtype_name
-from precision_annot.runtime import applied_plan
 from tests.workers import leave
 from tests.workers.collectives import WIRE, recording, register_recording_gloo
 from tests.workers.scenarios import SCENARIOS, Scenario, build_applied, data

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from precision_annot import Policy, fp32, precision
-from precision_annot.dtypes import dtype_name
+from precision_annot._src.dtypes import dtype_name
 from tests.helpers import Recorder
 
 #: bf16 compute over fp32 master weights, bf16 gradients on the wire

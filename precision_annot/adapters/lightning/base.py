@@ -8,14 +8,14 @@ from typing import Any
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
-from precision_annot.boundary import autocast_context
-from precision_annot.casting import cast_tree
-from precision_annot.dtypes import fp32
-from precision_annot.guards import require_plan
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import SpecLike, as_policy, autocast_mode, preset_name
-from precision_annot.runtime import apply, plan_of
-from precision_annot.scaler import GradScaler
+from precision_annot._src.boundary import autocast_context
+from precision_annot._src.casting import cast_tree
+from precision_annot._src.dtypes import fp32
+from precision_annot._src.guards import require_plan
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import SpecLike, as_policy, autocast_mode, preset_name
+from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.scaler import GradScaler
 
 __all__ = ["PlanPrecision", "TrainerPlanPrecision"]
 

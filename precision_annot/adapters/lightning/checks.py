@@ -22,11 +22,11 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 
+from precision_annot._src.findings import Finding, drift
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import PRESETS
 from precision_annot.adapters.lightning.base import PlanPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
-from precision_annot.findings import Finding, drift
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import PRESETS
 
 __all__ = ["findings"]
 

@@ -12,10 +12,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import SpecLike
 from precision_annot.adapters.lightning.base import TrainerPlanPrecision
 from precision_annot.adapters.lightning.strategies import LocalHooks, hooks_for
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import SpecLike
 
 __all__ = ["AnnotatedPrecision"]
 

@@ -24,9 +24,9 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, fp32, wider
-from precision_annot.plan import PrecisionPlan, parent_name
-from precision_annot.policy import FIELDS
+from precision_annot._src.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, fp32, wider
+from precision_annot._src.plan import PrecisionPlan, parent_name
+from precision_annot._src.policy import FIELDS
 
 __all__ = ["SEVERITIES", "Finding", "Severity", "drift", "listing", "numerics", "outermost"]
 

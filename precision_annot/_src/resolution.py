@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot.dtypes import dtype_name
-from precision_annot.guards import paused_gc, require_module, warn
-from precision_annot.plan import ModulePlan, PrecisionPlan, Source, parent_name
-from precision_annot.policy import (
+from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.guards import paused_gc, require_module, warn
+from precision_annot._src.plan import ModulePlan, PrecisionPlan, Source, parent_name
+from precision_annot._src.policy import (
     FIELDS,
     Policy,
     SpecLike,
@@ -37,8 +37,8 @@ from precision_annot.policy import (
     exit_dtype,
     is_boundary,
 )
-from precision_annot.tags import class_tag, instance_tag, region_of, scope_tag
-from precision_annot.wrappers import unwrap
+from precision_annot._src.tags import class_tag, instance_tag, region_of, scope_tag
+from precision_annot._src.wrappers import unwrap
 
 __all__ = ["function_regions", "is_container", "resolve"]
 

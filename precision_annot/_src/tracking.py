@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from precision_annot.boundary import REGION_OBSERVERS
-from precision_annot.policy import Policy
+from precision_annot._src.boundary import REGION_OBSERVERS
+from precision_annot._src.policy import Policy
 
 __all__ = ["DATA_MOVEMENT", "ModuleTracker", "Phase"]
 

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot.checking import BACKENDS
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import as_policy
-from precision_annot.resolution import resolve
-from precision_annot.version import VERSION
+from precision_annot._src.checking import BACKENDS
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import as_policy
+from precision_annot._src.resolution import resolve
+from precision_annot._src.version import VERSION
 
 __all__ = ["main"]
 
@@ -129,9 +129,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from precision_annot.auditing import audit
-    from precision_annot.runtime import apply
-    from precision_annot.samples import step
+    from precision_annot._src.auditing import audit
+    from precision_annot._src.runtime import apply
+    from precision_annot._src.samples import step
 
     model = load_target(args.target)
     try:
@@ -153,7 +153,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
-    from precision_annot.suggestion import suggest
+    from precision_annot._src.suggestion import suggest
 
     model = load_target(args.target)
     sample = load_object(args.sample)
@@ -206,15 +206,15 @@ def _check_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from precision_annot.checking import check
-    from precision_annot.findings import SEVERITIES
+    from precision_annot._src.checking import check
+    from precision_annot._src.findings import SEVERITIES
 
     config = _check_config(args)
     target: Any
     if isinstance(config, dict) and "units" in config and ":" in args.target:
         target = load_target(args.target)  # units select modules: check the model itself
         if args.default is not None:
-            from precision_annot.runtime import apply
+            from precision_annot._src.runtime import apply
 
             try:
                 apply(target, default=args.default)
@@ -239,7 +239,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from precision_annot.demo import run_demo
+    from precision_annot._src.demo_runner import run_demo
 
     return run_demo(fast=args.fast, out=args.out)
 

@@ -18,14 +18,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from precision_annot.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
-from precision_annot.dtypes import dtype_name, wider
-from precision_annot.execution import Execution, Key, Kind, Site, compile_plan
-from precision_annot.guards import paused_gc, require_module, require_plan, warn
-from precision_annot.plan import PrecisionPlan
-from precision_annot.policy import SpecLike
-from precision_annot.resolution import is_container, resolve
-from precision_annot.wrappers import unwrap
+from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
+from precision_annot._src.dtypes import dtype_name, wider
+from precision_annot._src.execution import Execution, Key, Kind, Site, compile_plan
+from precision_annot._src.guards import paused_gc, require_module, require_plan, warn
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import SpecLike
+from precision_annot._src.resolution import is_container, resolve
+from precision_annot._src.wrappers import unwrap
 
 __all__ = ["AppliedState", "ModuleState", "apply", "applied_plan", "check_matches",
            "find_boundary", "installed_boundaries", "plan_of", "remove"]

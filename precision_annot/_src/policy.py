@@ -8,7 +8,7 @@ from typing import Literal, TypeAlias
 
 import torch
 
-from precision_annot.dtypes import (
+from precision_annot._src.dtypes import (
     LOW_PRECISION,
     bf16,
     dtype_name,
@@ -19,14 +19,10 @@ from precision_annot.dtypes import (
     wider,
 )
 
-__all__ = ["FIELDS", "PRESETS", "AutocastMode", "Policy", "PresetName", "SpecLike", "as_policy",
+__all__ = ["FIELDS", "PRESETS", "AutocastMode", "Policy", "SpecLike", "as_policy",
            "autocast_mode", "exit_dtype", "is_boundary", "policy_from", "preset_name"]
 
 FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output")
-
-PresetName: TypeAlias = Literal[
-    "64-true", "32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"
-]
 
 #: Short keys accepted by `Policy.parse`, after jmp's "p=f32,c=bf16" grammar.
 _KEY_ALIASES: dict[str, str] = {

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot.findings import SEVERITIES, Finding, numerics
-from precision_annot.plan import PrecisionPlan
-from precision_annot.runtime import plan_of
-from precision_annot.wrappers import unwrap
+from precision_annot._src.findings import SEVERITIES, Finding, numerics
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.runtime import plan_of
+from precision_annot._src.wrappers import unwrap
 
 __all__ = ["BACKENDS", "check"]
 
@@ -110,7 +110,7 @@ def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module 
 
 
 def _applied(model: nn.Module) -> bool:
-    from precision_annot.runtime import applied_plan
+    from precision_annot._src.runtime import applied_plan
 
     return applied_plan(model) is not None
 

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
-from precision_annot.casting import Copies, cast_tree, check_tree, first_floating
-from precision_annot.dtypes import dtype_name, wider
-from precision_annot.policy import AutocastMode, Policy
-from precision_annot.tags import tag_function
+from precision_annot._src.casting import Copies, cast_tree, check_tree, first_floating
+from precision_annot._src.dtypes import dtype_name, wider
+from precision_annot._src.policy import AutocastMode, Policy
+from precision_annot._src.tags import tag_function
 
 __all__ = ["REGION_OBSERVERS", "Boundary", "BoundarySpec", "CastingDict", "DriftError", "Planned",
            "Region", "RegionObserver", "autocast_context", "cast_inputs", "device_type_of",

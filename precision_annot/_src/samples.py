@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot.casting import floating_leaves
+from precision_annot._src.casting import floating_leaves
 
 __all__ = ["as_call", "scalar_loss", "step"]
 

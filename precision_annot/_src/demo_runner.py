@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._demo import TinyTransformer, build_model
-from precision_annot.annotation import annotate
-from precision_annot.checking import check
-from precision_annot.plan import PrecisionPlan
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply
-from precision_annot.scaler import GradScaler
-from precision_annot.suggestion import suggest
+from precision_annot._src.annotation import annotate
+from precision_annot._src.checking import check
+from precision_annot._src.demo_model import TinyTransformer, build_model
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.resolution import resolve
+from precision_annot._src.runtime import apply
+from precision_annot._src.scaler import GradScaler
+from precision_annot._src.suggestion import suggest
 
 VOCAB, SEQ = 64, 32
 

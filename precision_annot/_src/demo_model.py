@@ -7,9 +7,9 @@ import math
 import torch
 from torch import nn
 
-from precision_annot.annotation import annotate, precision
-from precision_annot.dtypes import bf16, fp32
-from precision_annot.scope import precision_scope
+from precision_annot._src.annotation import annotate, precision
+from precision_annot._src.dtypes import bf16, fp32
+from precision_annot._src.scope import precision_scope
 
 
 @precision(fp32)  # 1. a decorator: every norm keeps fp32 parameters and computes in fp32

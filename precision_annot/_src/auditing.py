@@ -22,16 +22,16 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
-from precision_annot.boundary import device_type_of
-from precision_annot.casting import floating_leaves
-from precision_annot.dtypes import dtype_name, wider
-from precision_annot.execution import Execution, Kind, Site, compile_plan
-from precision_annot.guards import require_module, require_plan
-from precision_annot.plan import ModulePlan, PrecisionPlan, format_table
-from precision_annot.policy import Policy, autocast_mode
-from precision_annot.runtime import check_matches, find_boundary, plan_of
-from precision_annot.tracking import DATA_MOVEMENT, ModuleTracker
-from precision_annot.wrappers import unwrap
+from precision_annot._src.boundary import device_type_of
+from precision_annot._src.casting import floating_leaves
+from precision_annot._src.dtypes import dtype_name, wider
+from precision_annot._src.execution import Execution, Kind, Site, compile_plan
+from precision_annot._src.guards import require_module, require_plan
+from precision_annot._src.plan import ModulePlan, PrecisionPlan, format_table
+from precision_annot._src.policy import Policy, autocast_mode
+from precision_annot._src.runtime import check_matches, find_boundary, plan_of
+from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
+from precision_annot._src.wrappers import unwrap
 
 __all__ = ["AuditReport", "Divergence", "ModuleRecord", "audit"]
 

@@ -13,7 +13,7 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot.policy import Policy
+from precision_annot._src.policy import Policy
 
 __all__ = ["ClassTag", "InstanceTag", "KeepDtype", "class_tag", "instance_tag", "keep_dtype_of",
            "region_of", "scope_tag", "tag_class", "tag_function", "tag_instance", "tag_scope"]

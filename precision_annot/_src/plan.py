@@ -13,8 +13,8 @@ from typing import Any, Literal, TypeAlias, get_args
 import torch
 from torch import nn
 
-from precision_annot.dtypes import SHORT, dtype_from_name, dtype_name, fp16
-from precision_annot.policy import FIELDS, Policy, is_boundary
+from precision_annot._src.dtypes import SHORT, dtype_from_name, dtype_name, fp16
+from precision_annot._src.policy import FIELDS, Policy, is_boundary
 
 __all__ = ["ModulePlan", "PrecisionPlan", "Source", "nearest", "parent_name", "planned_bytes"]
 

@@ -36,15 +36,15 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precision_annot.casting import floating_leaves, map_tree
-from precision_annot.dtypes import LOW_PRECISION, dtype_name, fp16, fp32
-from precision_annot.guards import require_module
-from precision_annot.plan import PrecisionPlan, Source, format_table, parent_name
-from precision_annot.policy import Policy, SpecLike, as_policy
-from precision_annot.resolution import resolve
-from precision_annot.runtime import apply, remove
-from precision_annot.samples import as_call
-from precision_annot.tracking import DATA_MOVEMENT, ModuleTracker
+from precision_annot._src.casting import floating_leaves, map_tree
+from precision_annot._src.dtypes import LOW_PRECISION, dtype_name, fp16, fp32
+from precision_annot._src.guards import require_module
+from precision_annot._src.plan import PrecisionPlan, Source, format_table, parent_name
+from precision_annot._src.policy import Policy, SpecLike, as_policy
+from precision_annot._src.resolution import resolve
+from precision_annot._src.runtime import apply, remove
+from precision_annot._src.samples import as_call
+from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
 
 __all__ = ["Check", "Sensitivity", "Suggestion", "suggest"]
 

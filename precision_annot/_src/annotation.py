@@ -14,11 +14,11 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
-from precision_annot.boundary import wrap_function
-from precision_annot.guards import require_module
-from precision_annot.policy import Policy, SpecLike, as_policy, policy_from
-from precision_annot.selectors import Selector, matcher
-from precision_annot.tags import KeepDtype, keep_dtype_of, tag_class, tag_instance
+from precision_annot._src.boundary import wrap_function
+from precision_annot._src.guards import require_module
+from precision_annot._src.policy import Policy, SpecLike, as_policy, policy_from
+from precision_annot._src.selectors import Selector, matcher
+from precision_annot._src.tags import KeepDtype, keep_dtype_of, tag_class, tag_instance
 
 __all__ = ["annotate", "precision"]
 

@@ -18,9 +18,9 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
-from precision_annot.plan import ModulePlan, PrecisionPlan, nearest
-from precision_annot.policy import Policy, autocast_mode, exit_dtype
+from precision_annot._src.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
+from precision_annot._src.plan import ModulePlan, PrecisionPlan, nearest
+from precision_annot._src.policy import Policy, autocast_mode, exit_dtype
 
 __all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of"]
 

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
-from precision_annot.boundary import in_applied_forward
-from precision_annot.policy import Policy, SpecLike, policy_from
-from precision_annot.tags import tag_scope
+from precision_annot._src.boundary import in_applied_forward
+from precision_annot._src.policy import Policy, SpecLike, policy_from
+from precision_annot._src.tags import tag_scope
 
 __all__ = ["precision_scope"]
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from precision_annot.plan import PrecisionPlan
+from precision_annot._src.plan import PrecisionPlan
 
 __all__ = ["paused_gc", "require_module", "require_plan", "warn"]
 
