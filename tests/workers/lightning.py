@@ -91,7 +91,10 @@ def deepspeed() -> tuple[Any, Any]:
                                             "train_micro_batch_size_per_gpu": 32,
                                             "zero_allow_untested_optimizer": True},
                                     process_group_backend="gloo")
-    return strategy, AnnotatedPrecision(default="bf16")  # bf16 layers, an fp32 island
+    from precision_annot.adapters.lightning import AnnotatedDeepSpeedPrecision
+
+    # bf16 layers, an fp32 island; AnnotatedPrecision takes the same path by itself
+    return strategy, AnnotatedDeepSpeedPrecision(default="bf16")
 
 
 def fsdp1() -> tuple[Any, Any]:

@@ -7,6 +7,7 @@ device (Lightning issue 17727), run `training_step` under the root's autocast st
 `precision_annot.GradScaler` when fp16 is used anywhere (its state is saved in checkpoints).
 
 - `AnnotatedPrecision` (`trainer.py`): the Trainer plugin; single device, DDP, DeepSpeed.
+- `AnnotatedDeepSpeedPrecision` (`deepspeed.py`): the Trainer plugin for `DeepSpeedStrategy`.
 - `FabricAnnotatedPrecision` (`fabric.py`): the Fabric plugin.
 - `AnnotatedFSDPPrecision` (`fsdp.py`): the Trainer plugin for `FSDPStrategy` (FSDP1).
 """
@@ -19,8 +20,10 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
         "pip install 'precision-annot[lightning]'"
     ) from e
 
+from precision_annot.adapters.lightning.deepspeed import AnnotatedDeepSpeedPrecision
 from precision_annot.adapters.lightning.fabric import FabricAnnotatedPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
 from precision_annot.adapters.lightning.trainer import AnnotatedPrecision
 
-__all__ = ["AnnotatedFSDPPrecision", "AnnotatedPrecision", "FabricAnnotatedPrecision"]
+__all__ = ["AnnotatedDeepSpeedPrecision", "AnnotatedFSDPPrecision", "AnnotatedPrecision",
+           "FabricAnnotatedPrecision"]

@@ -30,7 +30,8 @@ from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
 
 __all__ = ["findings"]
 
-_OURS = ("AnnotatedPrecision", "AnnotatedFSDPPrecision", "FabricAnnotatedPrecision")
+_OURS = ("AnnotatedPrecision", "AnnotatedFSDPPrecision", "AnnotatedDeepSpeedPrecision",
+         "FabricAnnotatedPrecision")
 # the name the Trainer takes that is not a registered strategy
 _LIGHTNING_NAMES = frozenset({"auto"})
 
