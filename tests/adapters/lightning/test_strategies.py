@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("lightning")
-import lightning as L  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+import lightning as L
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 
-from precision_annot.adapters.lightning import (  # noqa: E402
+from precision_annot.adapters.lightning import (
     AnnotatedDeepSpeedPrecision,
     AnnotatedPrecision,
 )
-from precision_annot.adapters.lightning.deepspeed import DeepSpeedHooks  # noqa: E402
-from precision_annot.adapters.lightning.strategies import LocalHooks, hooks_for  # noqa: E402
-from tests.adapters.lightning.models import QUIET, Net  # noqa: E402
+from precision_annot.adapters.lightning.deepspeed import DeepSpeedHooks
+from precision_annot.adapters.lightning.strategies import LocalHooks, hooks_for
+from tests.adapters.lightning.models import QUIET, Net
 
 
 def attached(strategy: object) -> Net:
