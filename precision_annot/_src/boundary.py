@@ -369,6 +369,9 @@ class Boundary:
         planned: tensors and planned dtypes, to explain a failure. (Default: ())
         owner: what identifies its model's forward (the model's apply state). (Default: None)
         guard: an entry guard. (Default: False)
+        top: no boundary above it: it marks its model's forward as running, for the entry
+            guards inside (a boundary below one never starts the forward, so it reads nothing
+            per call). (Default: True)
         exclusive: a DataParallel replica, which one thread runs. (Default: False)
     """
 
@@ -383,12 +386,14 @@ class Boundary:
         planned: tuple[Planned, ...] = (),
         owner: object | None = None,
         guard: bool = False,
+        top: bool = True,
         exclusive: bool = False,
     ) -> None:
         self.module = module
         self.inner = inner
         self.owner = owner
         self.guard = guard
+        self.marks = guard or top
         self.exclusive = exclusive
         self.configure(spec, region, planned, swap)
         self._warned: set[str] = set()
@@ -405,6 +410,8 @@ class Boundary:
         # nothing checked, no parameter to cast.
         self.fast = (spec is not None and region is None and not spec.check
                      and not spec.keep_positions and not spec.keep_names)
+        self._direct = self._run if self.inner is not None else functools.partial(
+            type(self.module).forward, self.module)
         self._compute = None if spec is None else spec.compute
         self._mode = None if spec is None else spec.mode
         self._exit = None if spec is None else spec.exit
@@ -414,11 +421,22 @@ class Boundary:
     def active(self) -> bool:
         return self.spec is not None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the bound forward (a class defined in a function cannot be
+        pickled by reference); `__setstate__` binds it again."""
+        state = dict(self.__dict__)
+        state.pop("_direct", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.configure(self.spec, self.region, self.planned, self.swap)
+
     def rebound(self, module: nn.Module) -> Boundary:
         """This boundary for a DataParallel replica of its module."""
         return Boundary(module, self.spec, inner=self.inner, region=self.region,  # type: ignore[arg-type]
                         swap=self.swap, planned=self.planned, owner=self.owner,
-                        guard=self.guard, exclusive=True)
+                        guard=self.guard, top=self.marks, exclusive=True)
 
     # functools.wraps, computed when asked, so that nothing here holds a bound method
     def _target(self) -> Callable[..., Any]:
@@ -478,55 +496,68 @@ class Boundary:
         if torch.compiler.is_compiling():  # first: Dynamo folds it, so it costs no guard
             return self._compiled(args, kwargs)
         spec = self.spec
-        local = _local
-        outer = local.model
-        if spec is None or (self.guard and outer is self.owner):
+        if spec is None:
             return self._run(*args, **kwargs)
-        local.model = self.owner
+        if self.marks:  # an entry guard, or a boundary with none above it: maybe the start
+            outer = _local.model
+            if outer is not self.owner:  # the model's forward starts here: mark it
+                return self._entered(outer, args, kwargs, spec)
+            if self.guard:  # inside its model: the model's code has the last word
+                return self._run(*args, **kwargs)
+        if not (self.fast and len(args) == 1 and not kwargs) or (
+                torch.autograd.profiler._is_profiler_enabled):
+            return self._call(args, kwargs, spec)
+        x = args[0]
+        if not isinstance(x, torch.Tensor):
+            return self._call(args, kwargs, spec)
+        # The fast path: one tensor in. Every check here is one that costs well under a
+        # microsecond; a cast to the dtype a tensor has is skipped.
+        source = x.dtype
+        compute = self._compute
+        cast = None
+        if compute is not None and source != compute and x.is_floating_point():
+            x = cast = x.to(compute)
+        mode = self._mode
+        device = "cpu" if x.is_cpu else x.device.type
+        run = self._direct  # the class's forward, bound once: one Python frame fewer
         try:
-            if not (self.fast and len(args) == 1 and not kwargs) or (
-                    torch.autograd.profiler._is_profiler_enabled):
-                return self._call(args, kwargs, spec)
-            x = args[0]
-            if not isinstance(x, torch.Tensor):
-                return self._call(args, kwargs, spec)
-            # The fast path: one tensor in. Every check here is one that costs well under a
-            # microsecond; a cast to the dtype a tensor has is skipped.
-            source = x.dtype
-            compute = self._compute
-            cast = None
-            if compute is not None and source != compute and x.is_floating_point():
-                x = cast = x.to(compute)
-            mode = self._mode
-            device = "cpu" if x.is_cpu else x.device.type
-            try:
-                if mode is None or not _autocast_available(device) or (
-                        mode == "off" and not torch.is_autocast_enabled(device)):
-                    out = self._run(x)
+            if mode is None or not (_AUTOCAST_DEVICES.get(device) or _autocast_available(
+                    device)) or (mode == "off" and not torch.is_autocast_enabled(device)):
+                out = run(x)
+            else:
+                context = autocast_context(mode, device, compute)
+                if context is None:
+                    out = run(x)
                 else:
-                    context = autocast_context(mode, device, compute)
-                    if context is None:
-                        out = self._run(x)
-                    else:
-                        with context:
-                            out = self._run(x)
-            except RuntimeError as e:
-                self._explain(e)
-                raise
-            if cast is not None:
-                try:
-                    modified = cast._version > 0
-                except RuntimeError:  # an inference tensor has no version counter
-                    modified = False
-                if modified:
-                    self._warn_modified("argument 0")
-            target = (source if source.is_floating_point else None) if self._to_input else (
-                self._exit)
-            if isinstance(out, torch.Tensor):
-                if target is not None and out.dtype != target and out.is_floating_point():
-                    return out.to(target)
-                return out
-            return self._exit_tree(out, target, spec, device)
+                    with context:
+                        out = run(x)
+        except RuntimeError as e:
+            self._explain(e)
+            raise
+        if cast is not None:
+            try:
+                modified = cast._version > 0
+            except RuntimeError:  # an inference tensor has no version counter
+                modified = False
+            if modified:
+                self._warn_modified("argument 0")
+        # spec.target, inlined on the fast path: a call costs as much as the rest of this line
+        target = (source if source.is_floating_point else None) if self._to_input else (
+            self._exit)
+        if isinstance(out, torch.Tensor):
+            if target is not None and out.dtype != target and out.is_floating_point():
+                return out.to(target)
+            return out
+        return self._exit_tree(out, target, spec, device)
+
+    def _entered(self, outer: object | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 spec: BoundarySpec) -> Any:
+        """The call that starts its model's forward in this thread (the root's, or a module
+        called on its own): mark the thread as inside the model for the call."""
+        local = _local
+        local.model = self.owner
+        try:  # a guard sets up its boundary's state; a boundary runs as it always does
+            return self._call(args, kwargs, spec) if self.guard else self(*args, **kwargs)
         finally:
             local.model = outer
 

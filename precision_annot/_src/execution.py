@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
-from precision_annot._src.plan import ModulePlan, PrecisionPlan, nearest
+from precision_annot._src.plan import ModulePlan, PrecisionPlan, nearest, parent_name
 from precision_annot._src.policy import Policy, autocast_mode, exit_dtype
 
 __all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of"]
@@ -57,6 +57,7 @@ class Site:
         swap: for an entry guard, the part of that region under its own module, with paths
             from it (what `torch.compile` and DataParallel replicas swap on the modules);
             None for a boundary (its region's paths are from its own module).
+        top: a boundary with no boundary above it, which may start its model's forward.
         planned: the tensors its forward reads and their planned dtypes, to explain a failure.
     """
 
@@ -65,12 +66,14 @@ class Site:
     region: Region | None
     planned: tuple[Planned, ...]
     swap: Region | None = None
+    top: bool = True
 
     def signature(self) -> tuple[Any, ...]:
         def key(region: Region | None) -> Any:
             return None if region is None else (region.compute, region.members)
 
-        return self.spec, self.guard, key(self.region), key(self.swap), self.planned
+        return (self.spec, self.guard, key(self.region), key(self.swap), self.planned,
+                self.top)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Site) and self.signature() == other.signature()
@@ -130,8 +133,11 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
             members.setdefault(owner[name], []).append(name)  # type: ignore[arg-type]
     sites: dict[str, Site] = {}
     casting: dict[tuple[str, Kind], tuple[Region, frozenset[str]]] = {}
+    above = nearest(named, {n for n in members if n})  # the nearest boundary at or above
     for name, names in members.items():
         site = _boundary_site(plan, named, name, names, targets, check)
+        if (name and above[parent_name(name)] is not None) or (name and "" in members):
+            site = dataclasses.replace(site, top=False)
         sites[name] = site
         if site.region is not None:
             _casting_dicts(site.region, name, named, casting)

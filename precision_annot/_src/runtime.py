@@ -209,11 +209,12 @@ class ModuleState:
             if buried is not None and not direct:  # another library wrapped our forward
                 buried.configure(site.spec, site.region, site.planned, swap)
                 buried.owner, buried.guard = owner, site.guard
+                buried.marks = site.guard or site.top
                 self.boundary = buried
             else:
                 self.boundary = Boundary(module, site.spec, inner=d.get("forward"),
                                          region=site.region, swap=swap, planned=site.planned,
-                                         owner=owner, guard=site.guard)
+                                         owner=owner, guard=site.guard, top=site.top)
                 d["forward"] = self.boundary
             d[_REPLICATE] = Replicate(module)
             d[_SCRIPT] = RefuseScript(self.name)

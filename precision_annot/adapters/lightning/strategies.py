@@ -2,8 +2,9 @@
 
 `LocalHooks` runs the plan in this process (single device, DDP, FSDP): the plan is applied,
 Lightning's own backward and clipping run, and an fp16 plan steps through the `GradScaler`.
-Under DDP it registers `ddp.comm_hook(plan)` before the first backward. DeepSpeed's hooks, which
-leave all of that to the engine, live in `deepspeed.py`, with the DeepSpeed plugin.
+Under DDP it registers `ddp.comm_hook(plan)` before the first backward. `DeepSpeedHooks` fills
+the strategy's config from the plan and leaves backward, loss scaling, clipping and the step to
+the DeepSpeed engine (`deepspeed.py` holds the plugin that names that path).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.optim import LBFGS, Optimizer
 
 from precision_annot.adapters.lightning.base import TrainerPlanPrecision
 
-__all__ = ["LocalHooks", "hooks_for", "strategy_of"]
+__all__ = ["DeepSpeedHooks", "LocalHooks", "hooks_for", "strategy_of"]
 
 
 def strategy_of(module: nn.Module) -> Any:
@@ -104,13 +105,53 @@ class LocalHooks:
         return step_output
 
 
+class DeepSpeedHooks(LocalHooks):
+    """The DeepSpeed engine runs the plan: the config comes from the plan, and the engine does
+    backward, loss scaling, clipping (the config's `gradient_clipping`) and the step."""
+
+    def convert(self, module: nn.Module) -> nn.Module:
+        from precision_annot.adapters import deepspeed as ds_adapter
+
+        plugin = self.plugin
+        strategy = strategy_of(module)
+        plan = plugin.plan_for(module)
+        translated = ds_adapter.translate(plan)
+        config = ds_adapter.to_config(translated, strategy.config)
+        strategy.config.clear()
+        strategy.config.update(config)
+        ds_adapter.prepare(module, translated)
+        plugin.adopt(plan, module)
+        return module  # precision stays "32-true": the config already holds the sections
+
+    def before_backward(self, module: pl.LightningModule) -> None:
+        return
+
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Steppable | None,
+                 *args: Any, **kwargs: Any) -> None:
+        engine: Any = model.trainer.model  # the DeepSpeedEngine
+        engine.backward(tensor, *args, **kwargs)
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: int | float,
+                       algorithm: GradClipAlgorithmType) -> None:
+        return
+
+    def optimizer_step(self, optimizer: Steppable, model: pl.LightningModule,
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
+        closure_result = closure()
+        self.plugin._after_closure(model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            raise ValueError("Skipping backward by returning None from training_step is not "
+                             "supported by DeepSpeed.")
+        engine: Any = model.trainer.model
+        return engine.step(**kwargs)
+
+
+
 def hooks_for(plugin: TrainerPlanPrecision, module: nn.Module) -> LocalHooks:
     """The hooks for the strategy `module`'s Trainer runs: DeepSpeed's engine, or this
     process."""
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     if isinstance(strategy_of(module), DeepSpeedStrategy):
-        from precision_annot.adapters.lightning.deepspeed import DeepSpeedHooks
-
         return DeepSpeedHooks(plugin)
     return LocalHooks(plugin)
