@@ -27,7 +27,7 @@ def test_dtype_aliases(name: str, dtype: torch.dtype) -> None:
 
 
 def test_unknown_dtype_name_quotes_it_and_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match=r"'fp8'") as info:
-        to_dtype("fp8")
+    with pytest.raises(ValueError, match=r"'fp4'") as info:
+        to_dtype("fp4")
     for valid in ("'fp32'", "'bf16'", "'half'"):
         assert valid in str(info.value)

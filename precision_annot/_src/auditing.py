@@ -26,6 +26,7 @@ from precision_annot._src.boundary import device_type_of
 from precision_annot._src.casting import floating_leaves
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Kind, Site, compile_plan
+from precision_annot._src.float8 import is_fp8_tensor
 from precision_annot._src.guards import require_module, require_plan
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, format_table
 from precision_annot._src.policy import Policy, autocast_mode
@@ -38,6 +39,10 @@ __all__ = ["AuditReport", "Divergence", "ModuleRecord", "audit"]
 Phase: TypeAlias = Literal["forward", "backward", "state"]
 
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+
+#: the ops a Linear's GEMM reaches dispatch as (torchao's fp8 tensors arrive as mm/addmm)
+_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_grouped_mm",
+                    "matmul", "linear", "_grouped_mm"})
 
 
 @dataclasses.dataclass
@@ -56,6 +61,9 @@ class ModuleRecord:
         tensors: its own parameters and floating buffers, by name: ("param" or "buffer", dtype).
         grads: dtypes of the gradients its parameters received, by name.
         region: for a function-form region's row (`module::function`), its policy.
+        gemms: its GEMMs (matrix multiplies) per phase.
+        fp8_gemms: those of them that took fp8 operands (`_scaled_mm`, torchao's fp8
+            tensors), per phase.
     """
 
     name: str
@@ -70,6 +78,8 @@ class ModuleRecord:
     tensors: dict[str, tuple[Kind, torch.dtype]] = dataclasses.field(default_factory=dict)
     grads: dict[str, torch.dtype] = dataclasses.field(default_factory=dict)
     region: Policy | None = None
+    gemms: Counter[str] = dataclasses.field(default_factory=Counter)
+    fp8_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +88,7 @@ class Divergence:
 
     Attributes:
         module: the module's qualified name.
-        field: "compute", "autocast", "storage", "grad", "output" or "boundary".
+        field: "compute", "gemm", "autocast", "storage", "grad", "output" or "boundary".
         planned: what the plan says.
         actual: what ran.
         phase: "forward", "backward", or "state" (dtypes held, not computed).
@@ -103,6 +113,12 @@ def _dtypes(counter: Counter[torch.dtype] | set[torch.dtype]) -> str:
     return ",".join(sorted(dtype_name(d) for d in counter)) or "-"
 
 
+def _ops(record: ModuleRecord, phase: str) -> str:
+    text = _dtypes(record.forward_ops if phase == "forward" else record.backward_ops)
+    fp8 = record.fp8_gemms[phase]
+    return f"{text} fp8-gemm:{fp8}" if fp8 else text
+
+
 def _autocast_text(states: set[tuple[bool, torch.dtype | None]]) -> str:
     if not states:
         return "-"
@@ -119,6 +135,19 @@ def _compute(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Diverg
         if low:
             yield Divergence(name, "compute", dtype_name(compute),
                              _dtypes(Counter({d: ops[d] for d in low})), phase)  # type: ignore[arg-type]
+
+
+def _gemm(name: str, policy: Policy, planned: bool, record: ModuleRecord
+          ) -> Iterator[Divergence]:
+    """fp8 GEMMs where the plan converts the module, and none where it does not."""
+    for phase in ("forward", "backward"):
+        ran, fp8 = record.gemms[phase], record.fp8_gemms[phase]
+        if planned and ran and not fp8:
+            yield Divergence(name, "gemm", str(policy.gemm), f"{ran} GEMMs, none in fp8",
+                             phase)
+        elif not planned and fp8:
+            high = dtype_name(policy.compute) if policy.compute else "high precision"
+            yield Divergence(name, "gemm", high, f"fp8 ({fp8} of {ran} GEMMs)", phase)
 
 
 def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
@@ -188,6 +217,8 @@ class AuditReport:
                 site = self.execution.sites.get(name)
                 out.extend(self._boundary(entry, record, site))
                 out.extend(_compute(entry.name, entry.policy, record))
+                out.extend(_gemm(entry.name, entry.policy, name in self.execution.gemms,
+                                 record))
                 out.extend(_autocast(entry.name, entry.policy, record))
                 out.extend(self._storage(entry, record))
                 out.extend(_output(entry, record, site))
@@ -224,19 +255,20 @@ class AuditReport:
         rows: list[tuple[str, ...]] = [header]
         for name, r in self.records.items():
             if r.region is not None:  # a function-form region: module::function
-                label, calls, compute = f"{name} (region)", str(r.calls), r.region.compute
+                label, calls, compute = (f"{name} (region)", str(r.calls),
+                                         r.region.show("compute"))
             elif name in self.plan:
                 entry = self.plan[name]
                 depth = name.count(".") + (1 if name else 0)
                 label = ("  " * depth) + (name.rsplit(".", 1)[-1] if name else "(root)")
                 label += " *" if entry.boundary else ""
                 calls = "-" if entry.container else str(r.calls)
-                compute = entry.policy.compute
+                compute = entry.policy.show("compute")
             else:
                 continue  # a wrapper around the planned model
             rows.append((
-                label, r.type, calls, dtype_name(compute),
-                _dtypes(r.forward_ops), _dtypes(r.backward_ops), _autocast_text(r.autocast),
+                label, r.type, calls, compute,
+                _ops(r, "forward"), _ops(r, "backward"), _autocast_text(r.autocast),
                 _dtypes({d for _, d in r.tensors.values()}), _dtypes(set(r.grads.values())),
                 _dtypes(r.outputs),
                 ("! " + ",".join(sorted(bad[name]))) if name in bad else "ok",
@@ -244,8 +276,8 @@ class AuditReport:
         lines = format_table(rows, right={2})
         divergences = self.divergences
         lines.append("")
-        lines.append("ops: the dtypes floating ops computed in, after autocast, with counts; "
-                     "* boundary.")
+        lines.append("ops: the dtypes floating ops computed in, after autocast, with counts "
+                     "(fp8-gemm: GEMMs with fp8 operands); * boundary.")
         if divergences:
             lines.append(f"{len(divergences)} divergences from the plan:")
             lines.extend(f"  {d}" for d in divergences)
@@ -340,6 +372,10 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         counter = record.forward_ops if phase == "forward" else record.backward_ops
         for t in results:
             counter[t.dtype] += 1
+        if func.overloadpacket.__name__ in _GEMMS:
+            record.gemms[phase] += 1
+            if any(is_fp8_tensor(t) for t in (*args, *(kwargs or {}).values())):
+                record.fp8_gemms[phase] += 1
         return out
 
 

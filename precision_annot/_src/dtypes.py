@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "LOW_PRECISION", "bf16", "dtype_from_name", "dtype_name", "fp16",
-           "fp32", "fp64", "to_dtype", "wider", "widest"]
+__all__ = ["DTYPE_NAMES", "FP8", "FP8_RECIPES", "LOW_PRECISION", "bf16", "dtype_from_name",
+           "dtype_name", "fp16", "fp32", "fp64", "parse_compute", "to_dtype", "wider", "widest"]
 
 fp64 = torch.float64
 fp32 = torch.float32
@@ -31,6 +31,19 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
 
 LOW_PRECISION: frozenset[torch.dtype] = frozenset({fp16, bf16})
 
+#: fp8 compute for GEMMs, by name: each name is one torchao recipe (`Float8LinearConfig.
+#: from_recipe_name`, or torchao's MX formats for mxfp8). A module whose compute is one of
+#: these runs its Linear GEMMs in fp8 and its other ops in the dtype it would otherwise have.
+FP8_RECIPES: dict[str, str] = {
+    "fp8": "tensorwise",
+    "fp8-rowwise": "rowwise",
+    "fp8-rowwise-gw-hp": "rowwise_with_gw_hp",
+    "mxfp8": "mxfp8",
+}
+
+#: the dtype fp8 weights are all-gathered in: the only fp8 a `comm` field takes
+FP8 = torch.float8_e4m3fn
+
 # fp16 and bf16 share a rank: neither holds the other (fp16 has the bits, bf16 the range).
 _RANK: dict[torch.dtype, int] = {fp64: 3, fp32: 2, fp16: 1, bf16: 1}
 
@@ -47,16 +60,27 @@ def widest(dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
     return max(known, key=lambda d: _RANK.get(d, 0)) if known else None
 
 
-def _valid() -> str:
-    return ", ".join(repr(n) for n in DTYPE_NAMES)
+def _valid(field: str = "dtype") -> str:
+    extra = [*FP8_RECIPES] if field == "compute" else ["fp8"] if field == "comm" else []
+    return ", ".join(repr(n) for n in [*DTYPE_NAMES, *extra])
 
 
 def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
-    """Return the floating dtype `value` names: a `torch.dtype` or any alias in `DTYPE_NAMES`.
+    """Return the floating dtype `value` names: a `torch.dtype` or any alias in `DTYPE_NAMES`
+    (and, for a `comm` field, fp8: weights all-gathered in float8_e4m3fn).
 
     Raises `ValueError` for an unknown name or a non-floating dtype, and `TypeError` for
     anything else; the message names `field`, quotes the value and lists the valid names.
     """
+    if field == "comm" and (value == FP8 or (isinstance(value, str) and value.strip().lower()
+                                             in ("fp8", "float8_e4m3fn", "torch.float8_e4m3fn"))):
+        return FP8
+    if isinstance(value, str) and value.strip().lower() in FP8_RECIPES:
+        where = ("a compute dtype for GEMMs: write compute=" + value.strip().lower()
+                 if field != "compute" else "read by parse_compute, not here")
+        raise ValueError(f"{field}={value!r}: fp8 is {where}; storage and outputs stay in a "
+                         "floating dtype, and comm takes 'fp8' for weights all-gathered in "
+                         f"fp8. Valid names for {field}: {_valid(field)}")
     if isinstance(value, torch.dtype):
         if value in SHORT:
             return value
@@ -69,12 +93,23 @@ def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
         if key in DTYPE_NAMES:
             return DTYPE_NAMES[key]
         raise ValueError(
-            f"Unknown dtype name {value!r} for {field}. Valid names: {_valid()}"
+            f"Unknown dtype name {value!r} for {field}. Valid names: {_valid(field)}"
         )
     raise TypeError(
         f"{field} must be a torch.dtype or a dtype name such as 'bf16'. "
         f"Received: {field}={value!r} (of type {type(value).__name__})"
     )
+
+
+def parse_compute(value: object) -> tuple[torch.dtype | None, str | None]:
+    """A compute value: (the dtype ops run in, the fp8 recipe GEMMs run in). "bf16" is
+    (bf16, None), "fp8-rowwise" is (None, "fp8-rowwise"): other ops keep the dtype they would
+    otherwise have; "fp8-rowwise/bf16", as a resolved policy prints it, is both."""
+    if isinstance(value, str):
+        gemm, slash, rest = value.strip().lower().partition("/")
+        if gemm in FP8_RECIPES:
+            return (to_dtype(rest, field="compute") if slash else None), gemm
+    return to_dtype(value, field="compute"), None
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

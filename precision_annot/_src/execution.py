@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from precision_annot._src.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
+from precision_annot._src.dtypes import FP8
+from precision_annot._src.float8 import Gemm
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, nearest, parent_name
 from precision_annot._src.policy import Policy, autocast_mode, exit_dtype
 
-__all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of"]
+__all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of", "fp8_gemms"]
 
 Kind: TypeAlias = Literal["param", "buffer"]
 Key = tuple[str, Kind, str]  # module name, "param" | "buffer", tensor name
@@ -93,6 +95,8 @@ class Execution:
             region and the buffers that are only ever cast up (non-persistent ones).
         reprs: the text `print(model)` shows after each annotated module's own.
         check: `check_finite` was asked for.
+        gemms: the Linear layers whose GEMMs run in fp8, by name: their recipe, and whether
+            their weight is all-gathered in fp8.
     """
 
     targets: Mapping[Key, Target]
@@ -100,6 +104,7 @@ class Execution:
     casting: Mapping[tuple[str, Kind], tuple[Region, frozenset[str]]]
     reprs: Mapping[str, str]
     check: bool
+    gemms: Mapping[str, Gemm] = dataclasses.field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Execution):
@@ -107,7 +112,8 @@ class Execution:
         mine = {k: (r.compute, r.members, u) for k, (r, u) in self.casting.items()}
         theirs = {k: (r.compute, r.members, u) for k, (r, u) in other.casting.items()}
         return (self.targets == other.targets and self.sites == other.sites and mine == theirs
-                and self.reprs == other.reprs and self.check == other.check)
+                and self.reprs == other.reprs and self.check == other.check
+                and self.gemms == other.gemms)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -156,7 +162,14 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
                                                                 str(entry.policy)))
              + ("*" if entry.boundary else "")
              for name, entry in plan.items() if not entry.policy.is_empty()}
-    return Execution(targets, sites, casting, reprs, check)
+    return Execution(targets, sites, casting, reprs, check, fp8_gemms(plan, named))
+
+
+def fp8_gemms(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[str, Gemm]:
+    """The Linear layers whose plan runs their GEMMs in fp8."""
+    return {name: Gemm(entry.policy.gemm, entry.policy.comm == FP8)
+            for name, entry in plan.items()
+            if entry.policy.gemm is not None and isinstance(named[name], nn.Linear)}
 
 
 def _targets(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[Key, Target]:

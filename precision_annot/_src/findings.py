@@ -297,7 +297,7 @@ def _narrow_comm(plan: PrecisionPlan, backend: str | None,
     pairs: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     for name, entry in plan.items():
         storage = (stored or {}).get(name) or entry.policy.storage or fp32
-        reduced = comm.get(name) if comm is not None else entry.policy.comm
+        reduced = comm.get(name) if comm is not None else entry.policy.grad_comm
         if entry.params and reduced is not None and wider(storage, reduced):
             pairs.setdefault((storage, reduced), []).append(name)
     who = f"{backend} sums" if backend and comm is not None else (

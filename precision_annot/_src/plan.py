@@ -152,7 +152,7 @@ class ModulePlan:
         policy = policy_of(get("policy", str, None), "'policy'")
         raw_sources = get("sources", dict, {})
         sources: dict[str, Source | None] = {}
-        for field in FIELDS:
+        for field in (*FIELDS, *(("gemm",) if "gemm" in raw_sources else ())):
             value = raw_sources.get(field)
             if value is not None and value not in SOURCES:
                 raise ValueError(
@@ -468,14 +468,14 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
             rows.append((
                 label,
                 e.type.rsplit(".", 1)[-1],
-                *(dtype_name(v) for _, v in e.policy.items()),
+                *(e.policy.show(f) for f in FIELDS),
                 e.source_summary(),
                 f"{e.params:,}",
                 human_bytes(e.param_bytes),
             ))
             for fn, region in e.regions.items():  # function-form regions its forward calls
                 rows.append(("  " * (depth + 1) + f"{fn.rsplit('.', 1)[-1]}()", "function",
-                             *(dtype_name(v) for _, v in region.items()), "region", "", ""))
+                             *(region.show(f) for f in FIELDS), "region", "", ""))
         lines = format_table(rows, right={7, 8})
         by_dtype = ", ".join(
             f"{dtype_name(d)} {human_bytes(n)}" for d, n in self.param_bytes_by_dtype.items()

@@ -9,12 +9,15 @@ from typing import Literal, TypeAlias
 import torch
 
 from precision_annot._src.dtypes import (
+    FP8,
+    FP8_RECIPES,
     LOW_PRECISION,
     bf16,
     dtype_name,
     fp16,
     fp32,
     fp64,
+    parse_compute,
     to_dtype,
     wider,
 )
@@ -71,9 +74,18 @@ class Policy:
     storage: torch.dtype | None = None
     comm: torch.dtype | None = None
     output: torch.dtype | None = None
+    gemm: str | None = None
 
     def __post_init__(self) -> None:
-        for field in FIELDS:
+        compute, gemm = (None, None) if self.compute is None else parse_compute(self.compute)
+        if self.gemm is not None:
+            if not isinstance(self.gemm, str) or self.gemm.strip().lower() not in FP8_RECIPES:
+                raise ValueError(f"gemm must be one of {', '.join(map(repr, FP8_RECIPES))}. "
+                                 f"Received: gemm={self.gemm!r}")
+            gemm = self.gemm.strip().lower()
+        object.__setattr__(self, "compute", compute)
+        object.__setattr__(self, "gemm", gemm)
+        for field in FIELDS[1:]:
             value = getattr(self, field)
             if value is not None:
                 object.__setattr__(self, field, to_dtype(value, field=field))
@@ -113,7 +125,7 @@ class Policy:
                     f"with keys {', '.join(FIELDS)}."
                 ) from e
             return cls(compute=dtype, storage=dtype, comm=dtype)
-        values: dict[str, torch.dtype] = {}
+        values: dict[str, object] = {}
         for part in stripped.split(","):
             key, sep, value = part.partition("=")
             key = key.strip().lower()
@@ -129,15 +141,28 @@ class Policy:
             field = _KEY_ALIASES[key]
             if field in values:
                 raise ValueError(f"Policy key {field!r} is given twice in {text!r}.")
-            values[field] = to_dtype(value.strip(), field=field)
-        return cls(**values)
+            values[field] = (value.strip() if field == "compute" else
+                             to_dtype(value.strip(), field=field))
+        return cls(**values)  # type: ignore[arg-type]
+
+    def show(self, field: str) -> str:
+        """One field as the table and the string form print it: "bf16", or for the compute of
+        an fp8 module "fp8-rowwise/bf16" (GEMMs / other ops), "-" where unset."""
+        if field == "compute" and self.gemm is not None:
+            return self.gemm + (f"/{dtype_name(self.compute)}" if self.compute else "")
+        value = getattr(self, field)
+        if value is None:
+            return "-"
+        return "fp8" if value == FP8 else dtype_name(value)
 
     def __str__(self) -> str:
-        parts = [f"{f}={dtype_name(v)}" for f, v in self.items() if v is not None]
+        parts = [f"{f}={self.show(f)}" for f in FIELDS
+                 if getattr(self, f) is not None or (f == "compute" and self.gemm)]
         return ",".join(parts) if parts else "inherit"
 
     def __repr__(self) -> str:
-        parts = [f"{f}={dtype_name(v)}" for f, v in self.items() if v is not None]
+        parts = [f"{f}={self.show(f)}" for f in FIELDS
+                 if getattr(self, f) is not None or (f == "compute" and self.gemm)]
         return f"Policy({', '.join(parts)})"
 
     def items(self) -> Iterator[tuple[str, torch.dtype | None]]:
@@ -146,12 +171,22 @@ class Policy:
             yield field, getattr(self, field)
 
     def merge(self, other: Policy) -> Policy:
-        """A copy where every field that `other` sets replaces this policy's."""
-        return Policy(**{f: v if v is not None else getattr(self, f) for f, v in other.items()})
+        """A copy where every field that `other` sets replaces this policy's. Compute and the
+        fp8 GEMM recipe are one slot: a compute dtype set alone clears the recipe."""
+        fields = {f: v if v is not None else getattr(self, f) for f, v in other.items()}
+        gemm = other.gemm if other.gemm is not None else (
+            None if other.compute is not None else self.gemm)
+        return Policy(**fields, gemm=gemm)
+
+    @property
+    def grad_comm(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in: `comm`, except that comm=fp8 (weights
+        all-gathered in fp8) leaves gradients in the dtype the backend computes them in."""
+        return None if self.comm == FP8 else self.comm
 
     def is_empty(self) -> bool:
         """True when no field is set."""
-        return all(v is None for _, v in self.items())
+        return all(v is None for _, v in self.items()) and self.gemm is None
 
     def uses(self, dtype: torch.dtype) -> bool:
         """True when any field is `dtype`."""
@@ -268,5 +303,6 @@ def policy_from(
         raise TypeError(
             f"Unknown policy field {unknown[0]!r}. Valid fields: {', '.join(FIELDS)}"
         )
-    given = {k: to_dtype(v, field=k) for k, v in fields.items() if v is not None}
-    return base.merge(Policy(**given)) if given else base
+    given = {k: v if k == "compute" else to_dtype(v, field=k) for k, v in fields.items()
+             if v is not None}
+    return base.merge(Policy(**given)) if given else base  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.float8 import plain_class
 from precision_annot._src.guards import paused_gc, require_module, warn
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, Source, parent_name
 from precision_annot._src.policy import (
@@ -119,7 +120,7 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
         keep = _keep_dtype(module)
         entries[name] = ModulePlan(
             name=name,
-            type=f"{type(module).__module__}.{type(module).__qualname__}",
+            type=f"{(cls := plain_class(module)).__module__}.{cls.__qualname__}",
             policy=policy,
             sources=sources,
             keep_dtype=keep,
@@ -130,37 +131,80 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
         modules[name] = module
     if fallback is not None:
         _warn_if_default_unused(fallback, entries[""])
+    _require_linear_under_fp8(entries, modules)
     return PrecisionPlan(
         entries, default=fallback, model_type=type(model).__qualname__, modules=modules
     )
 
 
+def _levels(module: nn.Module, parent: _Path | None, fallback: Policy | None
+            ) -> list[tuple[Source, Policy, frozenset[str]]]:
+    """The levels that may set a module's fields, highest first: (source, what it says, the
+    fields it may pass on)."""
+    itag, ctag, stag = instance_tag(module), class_tag(type(module)), scope_tag(module)
+    levels: list[tuple[Source, Policy, frozenset[str]]] = []
+    if itag is not None:
+        for source in ("rule", "instance"):  # one tag: each field has one source
+            said = {f: v for f, (v, s) in itag.fields.items()
+                    if ("rule" if s == "rule" else "instance") == source}
+            if said:
+                levels.append((source, Policy(**said), _ALL))
+    if ctag is not None:
+        levels.append(("class", ctag.policy, _ALL))
+    if stag is not None:
+        levels.append(("scope", stag, _ALL))
+    if parent is not None:
+        inherits = _ALL if parent.container else _ALL - {"output"}
+        levels.append(("inherited", parent.policy, inherits))
+    elif fallback is not None:
+        levels.append(("default", fallback, _ALL))
+    return levels
+
+
+_ALL = frozenset([*FIELDS, "gemm"])
+
+
 def _fields(module: nn.Module, parent: _Path | None, fallback: Policy | None
             ) -> tuple[Policy, dict[str, Source | None]]:
-    """One module's policy on one path, and per field where it came from."""
-    inherits = set(FIELDS) if parent is not None and parent.container else (
-        set(FIELDS) - {"output"})
-    itag, ctag, stag = instance_tag(module), class_tag(type(module)), scope_tag(module)
-    values: dict[str, torch.dtype | None] = {}
+    """One module's policy on one path, and per field where it came from. Compute and the fp8
+    GEMM recipe are one slot: the highest level that sets either decides the recipe."""
+    values: dict[str, Any] = {}
     sources: dict[str, Source | None] = {}
+    levels = _levels(module, parent, fallback)
     for field in FIELDS:
-        value: torch.dtype | None = None
-        source: Source | None = None
-        if itag is not None and field in itag.fields:
-            value, tag_source = itag.fields[field]
-            source = "rule" if tag_source == "rule" else "instance"
-        elif ctag is not None and getattr(ctag.policy, field) is not None:
-            value, source = getattr(ctag.policy, field), "class"
-        elif stag is not None and getattr(stag, field) is not None:
-            value, source = getattr(stag, field), "scope"
-        elif (parent is not None and field in inherits
-              and getattr(parent.policy, field) is not None):
-            value, source = getattr(parent.policy, field), "inherited"
-        elif parent is None and fallback is not None and getattr(fallback, field) is not None:
-            value, source = getattr(fallback, field), "default"
-        values[field] = value
-        sources[field] = source
+        found = next(((src, getattr(p, field)) for src, p, passes in levels
+                      if field in passes and getattr(p, field) is not None), (None, None))
+        sources[field], values[field] = found
+    slot = next(((src, p.gemm) for src, p, passes in levels if "gemm" in passes
+                 and (p.gemm is not None or p.compute is not None)), (None, None))
+    if slot[1] is not None:
+        sources["gemm"], values["gemm"] = slot
     return Policy(**values), sources
+
+
+def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str, nn.Module]
+                              ) -> None:
+    """An fp8 recipe set on a module itself (by an instance, class or rule annotation) must
+    reach a Linear layer: fp8 runs the GEMMs of nn.Linear layers, and nothing else."""
+    explicit = [n for n, e in entries.items() if e.sources.get("gemm") in
+                ("instance", "class", "rule")]
+    if not explicit:
+        return
+    reached: set[str] = set()
+    for name, module in modules.items():
+        if isinstance(module, nn.Linear):
+            parts = name.split(".") if name else []
+            reached.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    bad = [n for n in explicit if n not in reached]
+    if bad:
+        first = entries[bad[0]]
+        raise ValueError(
+            f"compute={first.policy.gemm} ({first.sources['gemm']} annotation) is set on "
+            f"{len(bad)} module(s) with no nn.Linear under them, e.g. {bad[0] or '(root)'!r} "
+            f"({first.type.rsplit('.', 1)[-1]}): fp8 runs the GEMMs of nn.Linear layers, and "
+            "this module has none. Annotate the Linear layers or a module that holds them "
+            f"(annotate(model, {{nn.Linear: 'compute={first.policy.gemm}'}})). Modules: "
+            f"{bad[:8]}")
 
 
 def _keep_dtype(module: nn.Module) -> tuple[str | int, ...]:

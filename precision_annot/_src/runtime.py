@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from precision_annot._src import float8
 from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Key, Kind, Site, compile_plan
@@ -174,6 +175,7 @@ class ModuleState:
         self.module = module
         self.name = name
         self.boundary: Boundary | None = None
+        self.converted: float8.Converted | None = None
 
     @classmethod
     def of(cls, module: nn.Module) -> ModuleState | None:
@@ -193,6 +195,11 @@ class ModuleState:
                     tensor.grad = tensor.grad.to(value.dtype)
         else:
             set_tensor(module, kind, name, value)
+
+    def convert(self, gemm: float8.Gemm) -> None:
+        """Turn this Linear into torchao's fp8 module for `gemm`, in place."""
+        self.converted = float8.commit(self.module, float8.build(self.module, gemm, self.name),
+                                       gemm)
 
     # -- installing -------------------------------------------------------------------------
     def install(self, site: Site | None, casting: Mapping[Kind, tuple[Region, frozenset[str]]],
@@ -224,8 +231,13 @@ class ModuleState:
             d["_apply"] = ConversionWatch(module, self.name, planned, owner, d.get("_apply"))
         d[self.ATTR] = self
 
-    def intact(self, site: Site | None) -> bool:
-        """True when what `install` left is still there and does what `site` says."""
+    def intact(self, site: Site | None, gemm: float8.Gemm | None) -> bool:
+        """True when what `install` left is still there and does what `site` and `gemm`
+        say."""
+        converted = self.converted
+        if (converted.gemm if converted else None) != gemm or (
+                converted and type(self.module) is converted.cls):
+            return False
         boundary = find_boundary(self.module)[0]
         if site is None:
             return boundary is None or not boundary.active
@@ -259,7 +271,9 @@ class ModuleState:
             store = d.get(attr)
             if isinstance(store, CastingDict):
                 d[attr] = dict(store.items())
-        d.pop(ModuleState.ATTR, None)
+        state = d.pop(ModuleState.ATTR, None)
+        if isinstance(state, ModuleState) and state.converted is not None:
+            float8.revert(module, state.converted)
 
 
 # -- finding what is installed --------------------------------------------------------------------
@@ -378,7 +392,7 @@ def _is_real(state: AppliedState | None, plan: PrecisionPlan, execution: Executi
             return False
     for name, module in named.items():
         own = ModuleState.of(module)
-        if own is None or not own.intact(execution.sites.get(name)):
+        if own is None or not own.intact(execution.sites.get(name), execution.gemms.get(name)):
             return False
     return True
 
@@ -495,7 +509,9 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool) -> None:
     if _is_real(root.__dict__.get(_STATE_ATTR), plan, execution, named):
         return
 
-    # Prepare everything that can fail (the casts) before changing anything.
+    # Prepare everything that can fail (the casts, fp8 conversions) before changing anything.
+    for name, gemm in execution.gemms.items():
+        float8.validate(float8.plain_class(named[name]), gemm, name)
     prepared: list[tuple[Key, torch.Tensor, torch.Tensor]] = []
     current: dict[Key, torch.dtype] = {}
     for key, target in execution.targets.items():
@@ -514,6 +530,10 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool) -> None:
     states = {name: ModuleState(module, name) for name, module in named.items()}
     for (name, kind, tname), _, cast in prepared:
         states[name].cast(kind, tname, cast)
+    if execution.gemms:
+        float8.prepare_compile()
+    for name, gemm in execution.gemms.items():
+        states[name].convert(gemm)
     state = AppliedState(plan, execution, originals)
     casting: dict[str, dict[Kind, tuple[Region, frozenset[str]]]] = {}
     for (name, kind), entry in execution.casting.items():

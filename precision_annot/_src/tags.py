@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias
 
-import torch
 from torch import nn
 
 from precision_annot._src.policy import Policy
@@ -40,7 +39,7 @@ class InstanceTag:
     """What `precision(...)(module)` and `annotate` recorded on an instance, field by field:
     each field's dtype and whether an instance call or a rule set it (the later one wins)."""
 
-    fields: Mapping[str, tuple[torch.dtype, TagSource]]
+    fields: Mapping[str, tuple[Any, TagSource]]  # a dtype, or the fp8 recipe under "gemm"
     keep_dtype: KeepDtype = ()
 
 
@@ -64,12 +63,17 @@ def tag_class(cls: type[nn.Module], policy: Policy, keep_dtype: KeepDtype = ()) 
 
 def tag_instance(module: nn.Module, policy: Policy, source: TagSource,
                  keep_dtype: KeepDtype = ()) -> None:
-    """Merge `policy` into the instance tag of `module`; the fields it sets win."""
+    """Merge `policy` into the instance tag of `module`; the fields it sets win. Compute and
+    the fp8 GEMM recipe are one slot: a compute dtype set alone clears an earlier recipe."""
     old = instance_tag(module)
-    fields = dict(old.fields) if old else {}
+    fields: dict[str, tuple[Any, TagSource]] = dict(old.fields) if old else {}
     for field, dtype in policy.items():
         if dtype is not None:
             fields[field] = (dtype, source)
+    if policy.gemm is not None:
+        fields["gemm"] = (policy.gemm, source)
+    elif policy.compute is not None:
+        fields.pop("gemm", None)
     keep = keep_dtype or (old.keep_dtype if old else ())
     object.__setattr__(module, INSTANCE_TAG, InstanceTag(fields, keep))
 

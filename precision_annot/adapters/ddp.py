@@ -53,7 +53,7 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
     """
     require_plan(plan, "comm_hook")
     comm_of: dict[int, torch.dtype | None] = {
-        id(p): entry.policy.comm for _, p, entry in plan.param_policies()
+        id(p): entry.policy.grad_comm for _, p, entry in plan.param_policies()
     }
 
     def hook(state: Any, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -144,7 +144,7 @@ def buckets(plan: PrecisionPlan, *, bucket_cap_mb: float | None = None) -> list[
         for dtype, size in entry.param_dtype_bytes.items():
             names, total, comms = open_.setdefault(dtype, ([], 0, set()))
             names.append(name)
-            comms.add(entry.policy.comm or dtype)
+            comms.add(entry.policy.grad_comm or dtype)
             total += size
             open_[dtype] = (names, total, comms)
             if total >= (first if not done.get(dtype) else cap):
@@ -158,8 +158,8 @@ def buckets(plan: PrecisionPlan, *, bucket_cap_mb: float | None = None) -> list[
 def hooked_modules(plan: PrecisionPlan) -> list[str]:
     """The modules whose gradients DDP reduces in another dtype than the plan's `comm`
     without `comm_hook` (their parameters are stored in another dtype)."""
-    return [n for n, e in plan.items() if e.params and e.policy.comm is not None
-            and any(d.is_floating_point and d != e.policy.comm for d in e.param_dtype_bytes)]
+    return [n for n, e in plan.items() if e.params and e.policy.grad_comm is not None
+            and any(d.is_floating_point and d != e.policy.grad_comm for d in e.param_dtype_bytes)]
 
 
 def registered_hooks(ddp_model: nn.Module) -> list[Callable[..., Any]] | None:
@@ -202,7 +202,7 @@ def reduced(plan: PrecisionPlan, ddp_model: nn.Module | None = None
         return None, "no DDP model was given"
     hooks = registered_hooks(ddp_model) or []
     if any(getattr(h, _PLAN_ATTR, None) is not None for h in hooks):
-        return {n: plan[n].policy.comm or d for n, d in stored.items()}, "its comm hook"
+        return {n: plan[n].policy.grad_comm or d for n, d in stored.items()}, "its comm hook"
     name = hook_name(ddp_model)
     if name is None:
         return dict(stored), "no comm hook is registered, so each gradient reduces in its " \
@@ -232,7 +232,7 @@ def findings(plan: PrecisionPlan, ddp_model: nn.Module | None = None, *,
         code = "ddp-no-hook" if why.startswith("no comm hook") else "ddp-other-hook"
         out += drift(plan, "comm", actual, code=code, backend="DDP", cause=why, fix=_HOOK_FIX)
     elif narrowed and ddp_model is None:
-        comms = sorted({dtype_name(plan[n].policy.comm) for n in narrowed})
+        comms = sorted({dtype_name(plan[n].policy.grad_comm) for n in narrowed})
         out.append(Finding(
             "info", "ddp-needs-hook", narrowed[0] if len(narrowed) == 1 else "",
             f"DDP reduces each gradient in its parameter dtype, so the plan's comm "

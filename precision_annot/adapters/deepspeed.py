@@ -120,7 +120,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
             p = entry.policy
             if p.storage in LOW_PRECISION:
                 moved[name] = Policy(compute=p.compute or p.storage, storage=fp32, comm=p.comm,
-                                     output=p.output)
+                                     output=p.output, gemm=p.gemm)
         widened = plan.with_policies(moved)
         extra = sum(widened[n].param_bytes - plan[n].param_bytes for n in moved)
         if warn:
@@ -135,7 +135,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
         storages=frozenset(s for n in names if (s := plan[n].policy.storage) is not None),
         low_compute=frozenset(e.policy.compute for e in plan.values()
                               if e.policy.compute in LOW_PRECISION),
-        comms=frozenset(plan[n].policy.comm for n in names),
+        comms=frozenset(plan[n].policy.grad_comm for n in names),
     )
 
 
@@ -168,7 +168,7 @@ def safe_classes(dsp: DeepSpeedPlan, dtype: torch.dtype) -> list[str] | None:
     plan = dsp.plan
     by_class: dict[str, set[torch.dtype | None]] = {}
     for name in _param_entries(plan):
-        by_class.setdefault(plan[name].type, set()).add(plan[name].policy.comm)
+        by_class.setdefault(plan[name].type, set()).add(plan[name].policy.grad_comm)
     names = []
     for path, comms in by_class.items():
         if dtype in comms:
@@ -486,7 +486,7 @@ def _check_user_classes(dsp: DeepSpeedPlan, listed: object, dtype: torch.dtype) 
         )
     plan = dsp.plan
     for name in _param_entries(plan):
-        comm = plan[name].policy.comm
+        comm = plan[name].policy.grad_comm
         if plan[name].type in listed and comm != dtype:
             raise _contradiction(
                 "torch_autocast.lower_precision_safe_modules",
@@ -515,7 +515,7 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
     dsp = translate(model if plan is None else plan)
     apply(model, dsp.plan)  # checks the plan belongs to this model, naming missing modules
     for name, module in model.named_modules():
-        comm = dsp.plan[name].policy.comm
+        comm = dsp.plan[name].policy.grad_comm
         for p in module.parameters(recurse=False):
             if comm is not None:
                 p.comm_dtype = comm
@@ -582,7 +582,7 @@ def reduced(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> dict[str,
     listed = section.get("lower_precision_safe_modules")
     classes = set(listed) if isinstance(listed, list) else set(DEFAULT_SAFE_MODULES)
     return {name: dtype if plan[name].type in classes else (
-        plan[name].policy.comm or plan[name].policy.storage or fp32) for name in names}
+        plan[name].policy.grad_comm or plan[name].policy.storage or fp32) for name in names}
 
 
 def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:

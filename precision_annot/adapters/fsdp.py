@@ -55,7 +55,7 @@ def unit_names(
             continue
         parent = plan[parent_name(name)]
         if (entry.boundary or entry.policy.storage != parent.policy.storage
-                or (entry.policy.comm != parent.policy.comm and entry.params)):
+                or (entry.policy.grad_comm != parent.policy.grad_comm and entry.params)):
             chosen.add(name)
     if units is not None:
         if model is None:
@@ -140,7 +140,8 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
             storage=storage,
             param_dtype=None if gather is None or gather == (stored or plan[name].policy.storage)
             else gather,
-            reduce_dtype=widest(plan[m].policy.comm for m in holders) or plan[name].policy.comm,
+            reduce_dtype=(widest(plan[m].policy.grad_comm for m in holders)
+                          or plan[name].policy.grad_comm),
             output_dtype=plan[name].policy.output,
         ))
     return out

@@ -1,0 +1,223 @@
+"""fp8 GEMMs per module, through torchao: the one file that imports it.
+
+A module whose compute is an fp8 recipe (`compute=fp8`, `fp8-rowwise`, `fp8-rowwise-gw-hp`,
+`mxfp8`) runs the GEMMs of its `nn.Linear` layers in fp8 and its other ops in the dtype it
+would otherwise have. `apply` converts exactly those Linear layers with torchao's own modules
+(`Float8Linear.from_float` with `Float8LinearConfig.from_recipe_name`, or `MXFP8Linear`), in
+place: the module object, its parameters, hooks and annotations stay, only its class and the
+attributes torchao's module adds change, so the converted model runs torchao's code as
+`convert_to_float8_training` would. `remove` gives the plain class back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from precision_annot._src.dtypes import FP8_RECIPES
+
+__all__ = ["Converted", "Gemm", "available", "build", "commit", "config", "install_hint",
+           "is_fp8_tensor", "plain_class", "prepare_compile", "revert", "validate"]
+
+install_hint = "pip install 'precision-annot[fp8]' (torchao>=0.18)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """The fp8 GEMMs of one Linear layer.
+
+    Attributes:
+        recipe: the recipe's name in a policy ("fp8", "fp8-rowwise", ...).
+        all_gather: its weight is all-gathered in fp8 by FSDP2 (its comm is fp8).
+    """
+
+    recipe: str
+    all_gather: bool = False
+
+    @property
+    def torchao_recipe(self) -> str:
+        return FP8_RECIPES[self.recipe]
+
+
+@contextlib.contextmanager
+def _quiet_import() -> Iterator[None]:
+    # torchao logs a warning for each CUDA kernel library it cannot load on a CPU-only
+    # machine; they say nothing about fp8 training, which runs without them.
+    log = logging.getLogger("torchao")
+    level = log.level
+    if not log.handlers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _import(name: str, what: str) -> Any:
+    try:
+        with _quiet_import():
+            return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"{what} runs its GEMMs in fp8 through torchao, which is not "
+                          f"installed: {install_hint}.") from e
+
+
+def available() -> bool:
+    """True when torchao's fp8 training can be imported."""
+    try:
+        _import("torchao.float8", "")
+    except ImportError:
+        return False
+    return True
+
+
+def config(gemm: Gemm, where: str = "fp8") -> Any:
+    """torchao's `Float8LinearConfig` for one recipe (with FSDP2's fp8 all-gather when the
+    module's comm is fp8)."""
+    float8 = _import("torchao.float8", where)
+    cfg = float8.Float8LinearConfig.from_recipe_name(gemm.torchao_recipe)
+    if gemm.all_gather:
+        cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
+    return cfg
+
+
+def _mx_kernel(module: nn.Module) -> Any:
+    common = _import("torchao.quantization.quantize_.common", "mxfp8")
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    if weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (10, 0):
+        return common.KernelPreference.AUTO
+    return common.KernelPreference.EMULATED  # no MX GEMMs here: torch ops emulate them
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _fp8_class(fp8: type[nn.Module], original: type[nn.Module]) -> type[nn.Module]:
+    """torchao's class, or for a subclass of nn.Linear that keeps Linear's forward (such as
+    `NonDynamicallyQuantizableLinear`), a class that is both, as FSDP2 makes `FSDPLinear`."""
+    if original is nn.Linear or issubclass(original, fp8):
+        return fp8
+    key = (fp8, original)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(f"{fp8.__name__}{original.__name__}", (fp8, original),
+                             {"__module__": original.__module__})
+    return _CLASSES[key]
+
+
+def validate(cls: type[nn.Module], gemm: Gemm, name: str) -> None:
+    """Raise, before anything changes, when a module of class `cls` cannot run `gemm`."""
+    if not issubclass(cls, nn.Linear):
+        raise TypeError(f"fp8 GEMMs are converted on nn.Linear layers; module {name!r} is "
+                        f"{cls.__qualname__}.")
+    if cls.forward is not nn.Linear.forward:
+        raise ValueError(
+            f"Module {name!r} ({cls.__qualname__}) is planned with fp8 GEMMs "
+            f"(compute={gemm.recipe}) but overrides nn.Linear's forward; torchao's fp8 "
+            "module would replace that forward and drop what it does. Keep it out of fp8 "
+            f"(annotate(model, {{{name!r}: 'compute=bf16'}})) or make it a plain nn.Linear.")
+    where = f"Module {name!r} (compute={gemm.recipe})"
+    if gemm.all_gather and gemm.torchao_recipe != "tensorwise":
+        raise ValueError(f"{where}: comm=fp8 all-gathers weights in fp8, which torchao does "
+                         "for weights scaled per tensor only. Use compute=fp8 with comm=fp8, "
+                         f"or keep compute={gemm.recipe} with another comm (bf16).")
+    if gemm.recipe == "mxfp8":
+        _import("torchao.prototype.moe_training.mxfp8_linear", where)
+    else:
+        config(gemm, where)
+
+
+def build(module: nn.Module, gemm: Gemm, name: str) -> nn.Module:
+    """torchao's module for `module` (on the meta device, sharing its parameters), built
+    without changing `module`."""
+    validate(type(module), gemm, name)
+    where = f"Module {name!r} (compute={gemm.recipe})"
+    if gemm.recipe == "mxfp8":
+        mx = _import("torchao.prototype.moe_training.mxfp8_linear", where)
+        with torch.device("meta"):
+            new = mx.MXFP8Linear(module.in_features, module.out_features, bias=False,
+                                 kernel_preference=_mx_kernel(module))
+        new.weight = module.weight
+        new.bias = module.bias
+        return new  # type: ignore[no-any-return]
+    linear = _import("torchao.float8.float8_linear", where)
+    return linear.Float8Linear.from_float(module, config=config(gemm, where))  # type: ignore[no-any-return]
+
+
+@dataclasses.dataclass(eq=False)
+class Converted:
+    """What converting one Linear changed, to undo it: its class, the attributes torchao's
+    module added, and its weight when torchao wrapped it (for FSDP2's fp8 all-gather)."""
+
+    cls: type[nn.Module]
+    added: tuple[str, ...]
+    gemm: Gemm
+    weight: nn.Parameter | None = None
+
+
+def commit(module: nn.Module, new: nn.Module, gemm: Gemm) -> Converted:
+    """Turn `module` into torchao's module `new` (from `build`) in place."""
+    d, theirs = module.__dict__, new.__dict__
+    added = tuple(k for k in theirs if k not in d)
+    for key in added:
+        d[key] = theirs[key]
+    weight = None
+    if new._parameters["weight"] is not module._parameters["weight"]:
+        weight = module._parameters["weight"]
+        module._parameters["weight"] = new._parameters["weight"]
+    original = type(module)
+    module.__class__ = _fp8_class(type(new), original)
+    return Converted(original, added, gemm, weight)
+
+
+def plain_class(module: nn.Module) -> type[nn.Module]:
+    """The module's class as the user built it: the class before `apply` converted it."""
+    converted = getattr(module.__dict__.get("_precision_annot"), "converted", None)
+    return converted.cls if isinstance(converted, Converted) else type(module)
+
+
+def revert(module: nn.Module, converted: Converted) -> None:
+    """Give `module` its class back, with the same parameters (and gradients)."""
+    d = module.__dict__
+    for key in converted.added:
+        d.pop(key, None)
+    if converted.weight is not None:
+        wrapped = module._parameters["weight"]
+        if wrapped is not None and wrapped.grad is not None:
+            grad = wrapped.grad
+            converted.weight.grad = getattr(grad, "_tensor", grad)
+        module._parameters["weight"] = converted.weight
+    module.__class__ = converted.cls
+
+
+def prepare_compile() -> None:
+    """What `convert_to_float8_training` does before any fp8 kernel is compiled (a Triton fp8
+    store workaround in inductor), so that compiled code is the same as torchao's."""
+    with contextlib.suppress(ImportError, AttributeError):
+        patch = _import("torchao.float8._inductor_patch", "fp8")
+        patch._patch_inductor_min_max_codegen()
+
+
+_FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                         torch.float8_e5m2fnuz, torch.float8_e8m0fnu})
+
+
+def is_fp8_tensor(t: object, depth: int = 0) -> bool:
+    """A tensor whose data is fp8: a plain float8 tensor, or a tensor subclass (torchao's
+    training tensors, which report their high-precision dtype) holding float8 data."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    if t.dtype in _FP8_DTYPES:
+        return True
+    if depth > 2 or not is_traceable_wrapper_subclass(t):
+        return False
+    names, _ = t.__tensor_flatten__()
+    return any(is_fp8_tensor(getattr(t, n, None), depth + 1) for n in names)
