@@ -39,6 +39,12 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
     assert math.isnan(float(final["all fp16 + loss scaling"]))
     assert abs(float(final["suggested (2 islands)"]) - float(final["fp32"])) < 0.01 * float(
         final["fp32"])
+    if "torchao is not installed" not in out:  # 9: fp8 GEMMs with bf16 islands, against bf16
+        fp8, bf16 = float(final["fp8 GEMMs + bf16 islands"]), float(final["bf16-mixed"])
+        assert fp8 < 2.0 and abs(fp8 - bf16) < 0.05 * bf16
+        gap = re.search(r"fp8 ends (\S+)% from bf16", out)
+        assert gap and abs(float(gap.group(1)) / 100 - abs(fp8 - bf16) / bf16) < 1e-3
+        assert "audit: 8 Linear layers ran fp8 GEMMs, the head none (0 divergences" in out
 
 
 def _norms_fp32(model: nn.Module, low: str) -> nn.Module:

@@ -10,6 +10,7 @@ and `AuditReport.divergences` lists every difference from the plan.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -61,7 +62,8 @@ class ModuleRecord:
         tensors: its own parameters and floating buffers, by name: ("param" or "buffer", dtype).
         grads: dtypes of the gradients its parameters received, by name.
         region: for a function-form region's row (`module::function`), its policy.
-        gemms: its GEMMs (matrix multiplies) per phase.
+        gemms: its weight GEMMs per phase: matrix multiplies by its own weight (a Linear's, a
+            Conv1D's), or with fp8 operands; not those of activations alone (attention scores).
         fp8_gemms: those of them that took fp8 operands (`_scaled_mm`, torchao's fp8
             tensors), per phase.
     """
@@ -217,7 +219,7 @@ class AuditReport:
                 site = self.execution.sites.get(name)
                 out.extend(self._boundary(entry, record, site))
                 out.extend(_compute(entry.name, entry.policy, record))
-                out.extend(_gemm(entry.name, entry.policy, name in self.execution.gemms,
+                out.extend(_gemm(entry.name, entry.policy, entry.policy.gemm is not None,
                                  record))
                 out.extend(_autocast(entry.name, entry.policy, record))
                 out.extend(self._storage(entry, record))
@@ -348,10 +350,12 @@ def _computes(func: Any, args: Any, kwargs: Any) -> bool:
 class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the dtype each floating op computes in, after autocast, at dispatch."""
 
-    def __init__(self, tracker: ModuleTracker, records: dict[str, ModuleRecord]) -> None:
+    def __init__(self, tracker: ModuleTracker, records: dict[str, ModuleRecord],
+                 modules: dict[str, nn.Module]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.tracker = tracker
         self.records = records
+        self.modules = modules
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -373,10 +377,31 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for t in results:
             counter[t.dtype] += 1
         if func.overloadpacket.__name__ in _GEMMS:
-            record.gemms[phase] += 1
-            if any(is_fp8_tensor(t) for t in (*args, *(kwargs or {}).values())):
-                record.fp8_gemms[phase] += 1
+            operands = [t for t in (*args, *(kwargs or {}).values())
+                        if isinstance(t, torch.Tensor)]
+            fp8 = any(is_fp8_tensor(t) for t in operands)
+            if fp8 or self._weighs(name, operands):
+                record.gemms[phase] += 1
+                if fp8:
+                    record.fp8_gemms[phase] += 1
         return out
+
+    def _weighs(self, name: str, operands: list[torch.Tensor]) -> bool:
+        """Whether a GEMM multiplies by the module's own weight (a Linear's, a Conv1D's), not
+        by activations only (attention scores)."""
+        module = self.modules.get(name)
+        if module is None:
+            return False
+        own = set()
+        for p in module._parameters.values():
+            if p is not None and p.is_floating_point() and p.dim() >= 2:
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    own.add(p.untyped_storage().data_ptr())
+        for t in operands:
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                if t.untyped_storage().data_ptr() in own:
+                    return True
+        return False
 
 
 class _AutocastState(TorchFunctionMode):
@@ -469,7 +494,8 @@ class audit:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         _grad_recorder(records[names[module]], pname)))
-        self._modes = [_AutocastState(tracker, records), _OpDtypes(tracker, records)]
+        self._modes = [_AutocastState(tracker, records),
+                       _OpDtypes(tracker, records, {n: m for m, n in names.items()})]
         for mode in self._modes:
             mode.__enter__()
         self.report = AuditReport(self.plan, execution, records, installed)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 import types
 import warnings
@@ -667,7 +668,7 @@ class Boundary:
     def _explain(self, error: RuntimeError) -> None:
         """Re-raise a failure as a `DriftError` when this boundary's parameters are no longer in
         their planned dtypes (after `.half()`, `.to(dtype)`, `load_state_dict(assign=True)`)."""
-        if isinstance(error, DriftError) or not self.planned:
+        if isinstance(error, DriftError) or not self.planned or _sharded(self.module):
             return
         drifted = []
         for item in self.planned:
@@ -692,6 +693,14 @@ class Boundary:
             f"precision_annot.apply(model, plan) again to restore the plan. The error was: "
             f"{error}"
         ) from error
+
+
+def _sharded(module: nn.Module) -> bool:
+    """FSDP2 shards this module or one under it: while unsharded, its parameters are in their
+    unit's param_dtype by design, which is not drift."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    return kind is not None and any(isinstance(m, kind) for m in module.modules())
 
 
 # -- the function form ----------------------------------------------------------------------------

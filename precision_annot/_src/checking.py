@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.findings import SEVERITIES, Finding, numerics
+from precision_annot._src.float8_checks import fp8_findings
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.runtime import plan_of
 from precision_annot._src.wrappers import unwrap
@@ -190,6 +191,7 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         backend) else ([], None, None)
     scaled = bool(isinstance(options, Mapping) and options.get("grad_scaler"))
     found = numerics(plan, backend, comm=comm, stored=stored, scaled=scaled) + found
+    found += fp8_findings(plan, backend)
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
 
 

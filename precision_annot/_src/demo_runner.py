@@ -10,7 +10,9 @@
 7. trains the model three ways over the same steps: fp32, all fp16 with loss scaling, and the
    suggested plan, and prints the final losses side by side;
 8. checks the suggested plan before a launch on DeepSpeed ZeRO-2 and on FSDP2, and prints what
-   each would refuse or run badly.
+   each would refuse or run badly;
+9. trains the model with fp8 GEMMs (torchao, where installed) and bf16 islands against bf16,
+   prints the loss gap, and what `audit` saw run in fp8.
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ def run_demo(*, fast: bool = False, out: str | Path = "demo-output") -> int:
     print("   Call precision_annot.adapters.deepspeed.prepare(model) before deepspeed.initialize.")
     suggested = islands_demo(steps)
     check_demo(suggested)
+    fp8_demo(steps)
     print("\nNext: docs/index.md for the tour, docs/cookbook/ for recipes, "
           "`precision-annot report pkg.module:make_model` for your own model.")
     return 0
@@ -233,3 +236,40 @@ def check_demo(plan: PrecisionPlan) -> None:
                                 subsequent_indent="     "))
     print("\n   `precision-annot check mymod:make_model --backend deepspeed --config ds.json`")
     print("   exits 1 on an error, so a CI job can stop a launch that would not train.")
+
+
+def fp8_demo(steps: int) -> None:
+    """Section 9: fp8 GEMMs with bf16 islands against bf16, in training."""
+    from precision_annot._src import float8
+    from precision_annot._src.auditing import audit
+
+    print("\n9. fp8 GEMMs per module: annotate(model, {nn.Linear: 'compute=fp8-rowwise',")
+    print("   'head': 'compute=bf16'}) over bf16-mixed: every Linear but the head runs its")
+    print("   GEMMs in fp8 (torchao); norms, attention and the head in bf16; fp32 masters.")
+    if not float8.available():
+        print(f"   skipped: torchao is not installed ({float8.install_hint}).")
+        return
+    torch.manual_seed(0)
+    base = TinyTransformer(vocab=VOCAB, gain=1.0)
+    fp8_model, bf16_model = copy.deepcopy(base), copy.deepcopy(base)
+    annotate(fp8_model, [(nn.Linear, "compute=fp8-rowwise"), ("head", "compute=bf16")])
+    fp8_plan = resolve(fp8_model, default="bf16-mixed")
+    runs = {"bf16-mixed": train_loop(bf16_model, resolve(bf16_model, "bf16-mixed"), steps),
+            "fp8 GEMMs + bf16 islands": train_loop(fp8_model, fp8_plan, steps),
+            "fp32 reference": train_loop(copy.deepcopy(base), None, steps)}
+    width = max(map(len, runs))
+    for label, losses in runs.items():
+        print(f"   {label:<{width}}  final loss {losses[-1]:10.6f}")
+    fp8_loss, bf16_loss = runs["fp8 GEMMs + bf16 islands"][-1], runs["bf16-mixed"][-1]
+    print(f"\n   fp8 ends {abs(fp8_loss - bf16_loss) / bf16_loss:.2%} from bf16 "
+          f"({abs(fp8_loss - runs['fp32 reference'][-1]) / runs['fp32 reference'][-1]:.2%} "
+          "from fp32).")
+    tokens = _batches(1)[0]
+    with audit(fp8_model) as report:
+        _next_token_loss(fp8_model(tokens[:, :-1]), tokens).backward()  # type: ignore[no-untyped-call]
+    ran = [n for n, r in report.records.items() if r.fp8_gemms["forward"]]
+    print(f"   audit: {len(ran)} Linear layers ran fp8 GEMMs, the head none "
+          f"({len(report.divergences)} divergences from the plan).")
+    codes = sorted({f.code for f in check(fp8_model)})
+    print(f"   check: {', '.join(codes) or 'nothing'} (on a GPU these GEMMs are too small to "
+          "gain; docs/fp8.md)")

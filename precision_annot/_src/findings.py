@@ -123,11 +123,13 @@ class Drift:
 
 def compare(plan: PrecisionPlan, field: str, actual: Mapping[str, torch.dtype]) -> Drift:
     """Compare what a backend does with `field` (module -> dtype) with the plan, where the
-    plan sets the field (None leaves it to the backend)."""
+    plan sets the field (None leaves it to the backend). For comm, the dtype gradients are
+    reduced in (`Policy.grad_comm`)."""
     narrowed: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     widened: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     for name, dtype in actual.items():
-        planned = getattr(plan[name].policy, field)
+        policy = plan[name].policy
+        planned = policy.grad_comm if field == "comm" else getattr(policy, field)
         if planned is None or dtype == planned:
             continue
         (widened if wider(dtype, planned) else narrowed)[name] = (planned, dtype)

@@ -24,8 +24,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from precision_annot._src.dtypes import FP8_RECIPES
 
-__all__ = ["Converted", "Gemm", "available", "build", "commit", "config", "install_hint",
-           "is_fp8_tensor", "plain_class", "prepare_compile", "revert", "validate"]
+__all__ = ["Converted", "Gemm", "available", "build", "commit", "config", "import_torchao",
+           "install_hint", "is_fp8_tensor", "plain_class", "prepare_compile", "revert",
+           "validate"]
 
 install_hint = "pip install 'precision-annot[fp8]' (torchao>=0.18)"
 
@@ -61,7 +62,7 @@ def _quiet_import() -> Iterator[None]:
         log.setLevel(level)
 
 
-def _import(name: str, what: str) -> Any:
+def import_torchao(name: str, what: str) -> Any:
     try:
         with _quiet_import():
             return importlib.import_module(name)
@@ -73,7 +74,7 @@ def _import(name: str, what: str) -> Any:
 def available() -> bool:
     """True when torchao's fp8 training can be imported."""
     try:
-        _import("torchao.float8", "")
+        import_torchao("torchao.float8", "")
     except ImportError:
         return False
     return True
@@ -82,7 +83,7 @@ def available() -> bool:
 def config(gemm: Gemm, where: str = "fp8") -> Any:
     """torchao's `Float8LinearConfig` for one recipe (with FSDP2's fp8 all-gather when the
     module's comm is fp8)."""
-    float8 = _import("torchao.float8", where)
+    float8 = import_torchao("torchao.float8", where)
     cfg = float8.Float8LinearConfig.from_recipe_name(gemm.torchao_recipe)
     if gemm.all_gather:
         cfg = dataclasses.replace(cfg, enable_fsdp_float8_all_gather=True)
@@ -90,7 +91,7 @@ def config(gemm: Gemm, where: str = "fp8") -> Any:
 
 
 def _mx_kernel(module: nn.Module) -> Any:
-    common = _import("torchao.quantization.quantize_.common", "mxfp8")
+    common = import_torchao("torchao.quantization.quantize_.common", "mxfp8")
     weight = module.weight
     assert isinstance(weight, torch.Tensor)
     if weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (10, 0):
@@ -130,7 +131,7 @@ def validate(cls: type[nn.Module], gemm: Gemm, name: str) -> None:
                          "for weights scaled per tensor only. Use compute=fp8 with comm=fp8, "
                          f"or keep compute={gemm.recipe} with another comm (bf16).")
     if gemm.recipe == "mxfp8":
-        _import("torchao.prototype.moe_training.mxfp8_linear", where)
+        import_torchao("torchao.prototype.moe_training.mxfp8_linear", where)
     else:
         config(gemm, where)
 
@@ -141,14 +142,14 @@ def build(module: nn.Module, gemm: Gemm, name: str) -> nn.Module:
     validate(type(module), gemm, name)
     where = f"Module {name!r} (compute={gemm.recipe})"
     if gemm.recipe == "mxfp8":
-        mx = _import("torchao.prototype.moe_training.mxfp8_linear", where)
+        mx = import_torchao("torchao.prototype.moe_training.mxfp8_linear", where)
         with torch.device("meta"):
             new = mx.MXFP8Linear(module.in_features, module.out_features, bias=False,
                                  kernel_preference=_mx_kernel(module))
         new.weight = module.weight
         new.bias = module.bias
         return new  # type: ignore[no-any-return]
-    linear = _import("torchao.float8.float8_linear", where)
+    linear = import_torchao("torchao.float8.float8_linear", where)
     return linear.Float8Linear.from_float(module, config=config(gemm, where))  # type: ignore[no-any-return]
 
 
@@ -202,7 +203,7 @@ def prepare_compile() -> None:
     """What `convert_to_float8_training` does before any fp8 kernel is compiled (a Triton fp8
     store workaround in inductor), so that compiled code is the same as torchao's."""
     with contextlib.suppress(ImportError, AttributeError):
-        patch = _import("torchao.float8._inductor_patch", "fp8")
+        patch = import_torchao("torchao.float8._inductor_patch", "fp8")
         patch._patch_inductor_min_max_codegen()
 
 

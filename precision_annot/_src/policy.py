@@ -180,9 +180,10 @@ class Policy:
 
     @property
     def grad_comm(self) -> torch.dtype | None:
-        """The dtype gradients are reduced in: `comm`, except that comm=fp8 (weights
-        all-gathered in fp8) leaves gradients in the dtype the backend computes them in."""
-        return None if self.comm == FP8 else self.comm
+        """The dtype gradients are reduced in: `comm`, except that with comm=fp8 (weights
+        all-gathered in fp8) gradients are reduced in the storage dtype (the master weights'),
+        or, with storage unset, in the parameters' own dtype (None)."""
+        return self.storage if self.comm == FP8 else self.comm
 
     def is_empty(self) -> bool:
         """True when no field is set."""

@@ -9,6 +9,8 @@ checkpoint round trip that keeps the islands exact.
 - `save_pretrained` writes the plan beside the checkpoint; `from_pretrained` loads the model,
   applies that plan, and reads every tensor the plan stores wider than it was loaded back from
   the checkpoint files, so fp32 islands in a bf16 checkpoint come back bit for bit.
+- `fp8_rules(model)` runs the Linear GEMMs in fp8 and keeps out of it what DeepSeek-V3's fp8
+  recipe keeps out: the embeddings, the LM head, the MoE routers and gates, the norms.
 - `keep_in_fp32_patterns(plan)` gives the plan's fp32 modules as `_keep_in_fp32_modules_strict`
   entries, for a model class of your own that should load them in fp32 through transformers
   alone.
@@ -30,13 +32,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from precision_annot._src.dtypes import fp16, fp32, to_dtype, wider
+from precision_annot._src.dtypes import FP8_RECIPES, dtype_name, fp16, fp32, to_dtype, wider
+from precision_annot._src.float8 import plain_class
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply, plan_of
 
-__all__ = ["HFKeepInFP32", "from_pretrained", "keep_in_fp32_patterns", "rules",
-           "save_pretrained", "units"]
+__all__ = ["FP8Linear", "HFKeepInFP32", "fp8_rules", "from_pretrained", "keep_in_fp32_patterns",
+           "router_names", "rules", "save_pretrained", "units"]
 
 M = TypeVar("M", bound=nn.Module)
 PLAN_FILE = "precision_plan.json"
@@ -140,6 +143,92 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
             f"{', ...' if len(missed) > 6 else ''}. They follow their module's storage "
             f"dtype.{fix}", UserWarning, stacklevel=2)
     return chosen
+
+
+_ROUTER_WORDS = frozenset({"gate", "router", "shared_expert_gate", "gating", "gate_layer"})
+
+
+def router_names(model: nn.Module | dict[str, nn.Module]) -> list[str]:
+    """The MoE routers and gates among the model's Linear layers: a Linear named `gate`,
+    `router` or `shared_expert_gate` (Mixtral's and Qwen2-MoE's), or one whose outputs are
+    one per expert (`config.num_experts`, `num_local_experts`, `n_routed_experts`). A dense
+    MLP's `gate_proj` is not a router."""
+    named = model if isinstance(model, dict) else dict(model.named_modules())
+    root = named.get("")
+    config = getattr(root, "config", None)
+    experts = {getattr(config, k, None) for k in ("num_experts", "num_local_experts",
+                                                  "n_routed_experts")} - {None, 0, 1}
+    return [n for n, m in named.items() if isinstance(m, nn.Linear) and n and (
+        n.rsplit(".", 1)[-1] in _ROUTER_WORDS or m.out_features in experts)]
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Linear:
+    """A selector for `annotate`: the Linear layers whose GEMMs can run in fp8 (a plain
+    nn.Linear forward, both dimensions divisible by 16, which fp8 GPU kernels require), except
+    the named ones."""
+
+    exclude: frozenset[str] = frozenset()
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        cls = plain_class(module)  # a layer apply converted is still the user's Linear
+        return (isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0
+                and name not in self.exclude)
+
+    def __repr__(self) -> str:
+        return f"FP8Linear(exclude={sorted(self.exclude)})"
+
+
+def fp8_rules(model: nn.Module, recipe: str = "fp8-rowwise", high: torch.dtype | str = "bf16"
+              ) -> list[tuple[Any, str]]:
+    """`annotate` rules for DeepSeek-V3's fp8 recipe: the GEMMs of the Linear layers in fp8;
+    the embeddings and norms (not Linear layers), the LM head (the output embeddings) and the
+    MoE routers and gates in high precision.
+
+    Args:
+        model: a transformers `PreTrainedModel` (any model: the LM head is then found only
+            through `get_output_embeddings`, the routers by name).
+        recipe: the fp8 compute: "fp8", "fp8-rowwise", "fp8-rowwise-gw-hp" or "mxfp8".
+            (Default: "fp8-rowwise")
+        high: the compute of the LM head; routers and gates compute in fp32, as DeepSeek-V3's
+            do. (Default: bf16)
+
+    Returns:
+        `[(selector, policy), ...]` for `annotate(model, fp8_rules(model))`: fp8 on every
+        eligible Linear layer (`FP8Linear`), then the LM head and the routers by name.
+
+    Example:
+        >>> from precision_annot import annotate  # doctest: +SKIP
+        >>> annotate(llama, fp8_rules(llama))  # doctest: +SKIP
+    """
+    key = recipe.strip().lower() if isinstance(recipe, str) else recipe
+    if key not in FP8_RECIPES:
+        raise ValueError(f"fp8_rules: recipe must be one of {', '.join(map(repr, FP8_RECIPES))}."
+                         f" Received: recipe={recipe!r}")
+    high_dtype = to_dtype(high, field="high")
+    named = dict(model.named_modules())
+    by_id = {id(m): n for n, m in named.items()}
+    head = None
+    get_head = getattr(model, "get_output_embeddings", None)
+    if callable(get_head):
+        found = get_head()
+        head = by_id.get(id(found)) if isinstance(found, nn.Module) else None
+    routers = router_names(named)
+    keep = frozenset([*routers, *([head] if head else [])])
+    fused = [n for n, m in named.items() if any(
+        p is not None and p.is_floating_point() and p.dim() >= 3 for p in m._parameters.values())]
+    if fused:
+        warnings.warn(
+            f"fp8_rules: {len(fused)} module(s) hold their weights as 3-D tensors (fused MoE "
+            f"experts, e.g. {fused[0]!r}, {type(named[fused[0]]).__name__}): their grouped GEMMs "
+            "are not nn.Linear layers, so fp8 does not reach them and they run in their "
+            "high-precision compute.", UserWarning, stacklevel=2)
+    out: list[tuple[Any, str]] = [(FP8Linear(keep), f"compute={key}")]
+    if head:
+        out.append((head, f"compute={dtype_name(high_dtype)}"))
+    out.extend((name, "compute=fp32") for name in routers)
+    return out
 
 
 def units(model: nn.Module) -> list[type[nn.Module]]:

@@ -1,0 +1,160 @@
+"""What `check` says about a plan's fp8 GEMMs: layers fp8 kernels refuse, GEMMs too small to
+gain, fp8 planned where no Linear converts it, and fp8 comm a backend cannot all-gather."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from precision_annot._src.dtypes import FP8, dtype_name
+from precision_annot._src.execution import fp8_gemms
+from precision_annot._src.findings import Finding, listing
+from precision_annot._src.float8 import Gemm, available, install_hint, plain_class
+from precision_annot._src.plan import PrecisionPlan
+
+__all__ = ["fp8_findings", "too_small"]
+
+#: backends that all-gather parameters and can do it in fp8 (FSDP2 with torchao's weights)
+_FP8_GATHER = frozenset({"fsdp"})
+
+
+def too_small(gemm: Gemm, n: int, k: int) -> bool:
+    """torchao's own filter (`_auto_filter_for_recipe`, from H100 measurements): a Linear of
+    `n` outputs and `k` inputs whose GEMM is too small for fp8 to gain over bf16, because the
+    casts and scales cost more than the faster GEMM saves."""
+    if gemm.torchao_recipe == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
+
+
+def fp8_findings(plan: PrecisionPlan, backend: str | None) -> list[Finding]:
+    """The fp8 findings for `plan` (bound to its model) under `backend`."""
+    if not plan.has_model or not any(e.policy.gemm for e in plan.values()):
+        return []
+    named = {n: m for n in plan if (m := plan.module(n)) is not None}
+    gemms = fp8_gemms(plan, named)
+    return [*_unavailable(gemms), *_refused(gemms, named), *_dims(gemms, named),
+            *_not_converted(plan, named, gemms), *_comm(plan, gemms, named, backend),
+            *_small(gemms, named)]
+
+
+def _unavailable(gemms: dict[str, Gemm]) -> Iterator[Finding]:
+    if gemms and not available():
+        names = list(gemms)
+        yield Finding("error", "fp8-unavailable", names[0],
+                      f"{len(names)} Linear layer(s) are planned with fp8 GEMMs, which run "
+                      "through torchao, and torchao is not installed: apply refuses the plan.",
+                      f"{install_hint}.", tuple(names))
+
+
+def _refused(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
+    own = [n for n in gemms if plain_class(named[n]).forward is not nn.Linear.forward]
+    if own:
+        yield Finding("error", "fp8-linear-subclass", own[0],
+                      f"{listing(own)} subclass nn.Linear with a forward of their own; torchao's "
+                      "fp8 module would replace that forward, so apply refuses them.",
+                      f"annotate(model, {{{own[0]!r}: 'compute=bf16'}}), or make them plain "
+                      "nn.Linear layers.", tuple(own))
+    wrong = [n for n, g in gemms.items() if g.all_gather and g.torchao_recipe != "tensorwise"]
+    if wrong:
+        recipe = gemms[wrong[0]].recipe
+        yield Finding("error", "fp8-comm-recipe", wrong[0],
+                      f"{listing(wrong)} have comm=fp8 with compute={recipe}: torchao all-gathers "
+                      "fp8 weights scaled per tensor only (compute=fp8), so apply refuses them.",
+                      f"Use compute=fp8 with comm=fp8, or keep compute={recipe} with comm=bf16.",
+                      tuple(wrong))
+
+
+def _dims(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
+    bad = []
+    for name, gemm in gemms.items():
+        module = named[name]
+        assert isinstance(module, nn.Linear)
+        block = 32 if gemm.recipe == "mxfp8" else 16
+        if module.in_features % block or module.out_features % block:
+            bad.append(name)
+    if bad:
+        first = named[bad[0]]
+        assert isinstance(first, nn.Linear)
+        yield Finding(
+            "error", "fp8-dims", bad[0],
+            f"{listing(bad)} run fp8 GEMMs with a dimension not divisible by 16 (32 for mxfp8), "
+            f"e.g. {first.in_features} -> {first.out_features}: fp8 GPU kernels "
+            "(torch._scaled_mm) refuse such shapes, so the first forward on a GPU fails. A CPU "
+            "emulates fp8 and runs them, so CPU tests do not show it.",
+            f"Keep them out of fp8: annotate(model, {{{bad[0]!r}: 'compute=bf16'}}) (or pad "
+            "their dimensions to a multiple of 16).", tuple(bad))
+
+
+def _not_converted(plan: PrecisionPlan, named: dict[str, nn.Module],
+                   gemms: dict[str, Gemm]) -> Iterator[Finding]:
+    """fp8 planned on modules whose matrix multiplies no Linear conversion reaches: their own
+    weights (GPT-2's Conv1D, fused MoE experts, a router holding its weight) stay in high
+    precision, and so does a Linear its parent never calls (MultiheadAttention's out_proj)."""
+    missed = []
+    for name, entry in plan.items():
+        module = named[name]
+        if entry.policy.gemm is None or name in gemms or isinstance(module, nn.Embedding):
+            continue
+        if any(p is not None and p.is_floating_point() and p.dim() >= 2
+               for p in module._parameters.values()):
+            missed.append(name)
+    for name, module in named.items():
+        if isinstance(module, nn.MultiheadAttention) and f"{name + '.' if name else ''}out_proj" \
+                in gemms:
+            missed.append(f"{name + '.' if name else ''}out_proj")
+    if missed:
+        kinds = sorted({type(named[n]).__name__ for n in missed})
+        yield Finding(
+            "warning", "fp8-not-converted", missed[0],
+            f"{listing(missed)} ({', '.join(kinds)}) are planned with fp8 GEMMs, but fp8 "
+            "converts nn.Linear layers that are called as modules, and these multiply by their "
+            "weights another way: they run in their high-precision compute.",
+            "Plan them without fp8 to say what runs, or make their GEMMs nn.Linear layers.",
+            tuple(missed))
+
+
+def _comm(plan: PrecisionPlan, gemms: dict[str, Gemm], named: dict[str, nn.Module],
+          backend: str | None) -> Iterator[Finding]:
+    fp8 = [n for n, e in plan.items() if e.policy.comm == FP8 and e.params]
+    if not fp8 or backend in (None, "local", "lightning") or backend in _FP8_GATHER:
+        return
+    if backend == "deepspeed" and any(gemms[n].all_gather for n in fp8 if n in gemms):
+        yield Finding(
+            "error", "fp8-comm-refused", fp8[0],
+            f"{listing(fp8)} have comm=fp8, so apply gives their weights torchao's fp8 "
+            "all-gather tensor type; DeepSpeed's engine moves the model with module.to(device), "
+            "which cannot swap such tensors: deepspeed.initialize fails (\"_apply(): Couldn't "
+            "swap Float8Linear.weight\"). torchao's own conversion fails the same way.",
+            "Keep their fp8 compute with comm=bf16 (or fp32): DeepSpeed runs fp8 GEMMs, it "
+            "does not all-gather fp8.", tuple(fp8))
+        return
+    first = plan[fp8[0]].policy
+    carried = dtype_name(first.compute or first.storage)
+    yield Finding(
+        "warning", "fp8-comm", fp8[0],
+        f"{listing(fp8)} have comm=fp8 (weights all-gathered in fp8), which only FSDP2 does "
+        f"(with torchao's fp8 weights); {backend} moves their weights and gradients in their "
+        f"own dtypes ({carried} or wider): more bytes than planned.",
+        "Shard with FSDP2 (adapters.fsdp.fully_shard), or set comm to the dtype this backend "
+        "should reduce in.", tuple(fp8))
+
+
+def _small(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
+    small = []
+    for name, gemm in gemms.items():
+        module = named[name]
+        assert isinstance(module, nn.Linear)
+        if too_small(gemm, module.out_features, module.in_features):
+            small.append(name)
+    if small:
+        first = named[small[0]]
+        assert isinstance(first, nn.Linear)
+        yield Finding(
+            "info", "fp8-small-gemm", small[0],
+            f"{listing(small)} run GEMMs too small for fp8 to gain (e.g. {first.in_features} "
+            f"-> {first.out_features}): by torchao's measurements, casting and scaling cost "
+            "more than the faster GEMM saves, so they run slower than in bf16.",
+            "Keep them in bf16 (annotate(model, {name: 'compute=bf16'})), as torchao's "
+            "auto_filter_for_recipe would.", tuple(small))
