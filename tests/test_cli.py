@@ -143,7 +143,7 @@ class FeedForward(nn.Module):
 class Root(nn.Module):
     def __init__(self):
         super().__init__()
-        self.lin = nn.Linear(16, 16)
+        self.lin = nn.Linear(8, 16)
 
     def forward(self, x):
         return self.lin(x) * 2.0 ** 32
@@ -153,10 +153,17 @@ def make_model():
     return nn.Sequential(nn.Linear(8, 16), FeedForward(), nn.Linear(16, 4))
 
 def make_root():
-    return nn.Sequential(nn.Linear(8, 16), Root())
+    return nn.Sequential(Root())[0]  # the overflow in the root's own code
 
 def make_batch():
     return torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 3
+
+class Broken(nn.Linear):
+    def forward(self, x):
+        raise RuntimeError("the user's model is broken")
+
+def make_broken():
+    return Broken(8, 8)
 
 def loss(output):
     return output.float().pow(2).mean()
@@ -182,6 +189,11 @@ def test_suggest_writes_a_plan_the_other_commands_take(
     assert main(["suggest", f"{script}:make_root", "--sample", f"{script}:make_batch",
                  "--low", "fp16"]) == 1
     assert "No plan short of the whole model" in capsys.readouterr().out
+    # a crash in the model is not "no plan met" (1) nor bad input (2)
+    assert main(["suggest", f"{script}:make_broken", "--sample", f"{script}:make_batch"]) == 3
+    err = capsys.readouterr().err
+    assert "RuntimeError raised while running the command" in err
+    assert "the user's model is broken" in err and "Traceback" in err
 
 
 ISLANDS = '''

@@ -16,7 +16,7 @@ from torch import nn
 
 from precision_annot import annotate, apply, resolve
 from precision_annot._src.demo_model import Norm, TinyTransformer
-from precision_annot._src.demo_runner import _batches, _next_token_loss, train_loop
+from precision_annot._src.demo_runner import _batches, next_token_loss, train_loop
 from precision_annot._src.suggestion import relative_error, suggest
 
 
@@ -63,8 +63,7 @@ def test_suggest_needs_fewer_fp32_parameters_than_all_norms_in_fp32(low: str) ->
     for gain, expected in ((1.0, []), (2.0 ** 16, ["blocks.0.mlp", "blocks.1.mlp"])):
         torch.manual_seed(0)
         model = TinyTransformer(gain=gain)
-        found = suggest(model, tokens[:, :-1], low=low,
-                        loss_fn=lambda logits: _next_token_loss(logits, tokens))
+        found = suggest(model, tokens, low=low, loss_fn=next_token_loss)
         if low == "bf16":
             expected = []  # bf16 has fp32's range
         assert found.met and found.islands == expected
@@ -88,8 +87,7 @@ def test_training_100_steps_the_suggested_plan_ends_within_1_percent_of_fp32() -
     torch.manual_seed(0)
     model = TinyTransformer()
     tokens = _batches(1)[0]
-    found = suggest(model, tokens[:, :-1], low="16-mixed",
-                    loss_fn=lambda logits: _next_token_loss(logits, tokens))
+    found = suggest(model, tokens, low="16-mixed", loss_fn=next_token_loss)
     everything = copy.deepcopy(model)
     annotate(everything, {nn.Module: "16-mixed"})
     fp32 = train_loop(copy.deepcopy(model), None, 100)

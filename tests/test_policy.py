@@ -89,3 +89,13 @@ def test_spec_of_wrong_type(spec: object) -> None:
         as_policy(spec)
     with pytest.raises(TypeError, match="Received"):
         pa.precision(spec)  # type: ignore[arg-type]
+
+
+def test_a_dtype_or_preset_then_fields() -> None:
+    assert Policy.parse("fp32,output=fp32") == Policy(compute=fp32, storage=fp32, comm=fp32,
+                                                      output=fp32)
+    assert Policy.parse("bf16-mixed,comm=bf16") == Policy(compute=bf16, storage=fp32, comm=bf16)
+    fp8 = Policy.parse("bf16-mixed,compute=fp8")
+    assert (fp8.gemm, fp8.compute, fp8.storage) == ("fp8", bf16, fp32)
+    with pytest.raises(ValueError, match="Unknown policy 'fp9'"):
+        Policy.parse("fp9,output=fp32")

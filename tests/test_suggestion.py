@@ -94,13 +94,18 @@ def test_an_overflowing_intermediate_is_kept_fp32_and_harmless_layers_stay_low()
     found = suggest(model, sample(), low="fp16", loss_fn=mse)
     assert found.met and found.islands == ["middle"]
     assert found.rules == [("middle", "fp32")]
-    # wi overflows first; as an island its output still overflows on the way out, so the
-    # island moves up to its parent, whose output is moderate; pruning then keeps it
-    assert [(c.islands, c.passed) for c in found.checks] == [
-        ((), False), (("middle.wi",), False), (("middle",), True), ((), False)]
-    by_name = {s.name: s for s in found.table}
-    assert by_name["middle"].nonfinite and by_name["middle.wi"].headroom > 1
-    assert not by_name["inp"].nonfinite
+    # wi overflows first; as an island its output overflows on the way out, so it hands back
+    # fp32, which wo (pure fp16, no autocast) cannot take: the island moves up to its parent,
+    # whose output fits fp16. No plan is run twice (pruning finds () already checked).
+    calibration = [(c.islands, c.outputs, c.passed) for c in found.checks
+                   if c.sample == "calibration"]
+    assert calibration == [((), (), False), (("middle.wi",), (), False),
+                           (("middle.wi",), ("middle.wi",), False), (("middle",), (), True)]
+    assert found.checks[0].first_nonfinite == "middle.wi"
+    assert "mat1 and mat2 must have the same dtype" in str(found.checks[2].crashed)
+    assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
+    assert all(c.passed for c in found.held_out)
+    assert found.table == []  # every island came from where a non-finite value arose
     # the plan: the island in fp32, the rest in fp16, ready to apply
     plan = found.plan
     assert plan["middle.wo"].policy.compute == fp32 and plan["inp"].policy.compute == fp16
@@ -117,8 +122,6 @@ def test_when_the_overflow_is_in_the_parents_own_code_the_parent_is_the_island()
     model = Net(Gained())
     found = suggest(model, sample(), low="fp16", loss_fn=mse)
     assert found.met and found.islands == ["middle"]  # not middle.wi or middle.wo
-    by_name = {s.name: s for s in found.table}
-    assert by_name["middle"].nonfinite and not by_name["middle.wi"].nonfinite
     assert found.checks[0].first_nonfinite == "middle"  # located in the parent's own code
     # keeping only the inner Linears in fp32 is not enough
     import copy
@@ -143,7 +146,9 @@ def test_a_model_that_needs_nothing_gets_no_island() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
     found = suggest(model, sample(), low="bf16")
-    assert found.met and found.islands == [] and len(found.checks) == 1
+    assert found.met and found.islands == []
+    assert [(c.sample, c.passed) for c in found.checks] == [
+        ("calibration", True), ("held-out 1", True), ("held-out 2", True)]
 
 
 def test_when_only_the_root_could_help_it_says_so() -> None:
@@ -175,15 +180,22 @@ def test_the_model_is_left_as_it_was() -> None:
 def test_table_json_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     torch.manual_seed(0)
-    found = suggest(Net(FeedForward()), sample(), low="fp16", loss_fn=mse)
+    found = suggest(nn.Sequential(nn.Linear(8, 16), Offset(), nn.Linear(16, 4)), sample(),
+                    low="bf16", tolerance=2e-2)
     text = str(found)
-    assert "island" in text.splitlines()[5] and "middle " in text and "*" in text
+    assert "island" in text.splitlines()[6] and "\n1 " in text and "*" in text
     data = json.loads(found.to_json())
-    assert data["islands"] == ["middle"] and data["met"] is True
+    assert data["islands"] == ["1"] and data["met"] is True
     assert data["plan"]["format"] == "precision_annot.plan"
-    assert any(row["error"] == "inf" or row["nonfinite"] for row in data["table"])
-    path = found.plot(tmp_path / "sensitivity.png")
-    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert data["reasons"] == {"1": "sensitive"}
+    # the path: every plan tried, on which batch, and which error failed
+    path = [(c["islands"], c["sample"], c["failed"]) for c in data["path"]]
+    assert path[0] == ([], "calibration", ["output"]) and path[1] == (["1"], "calibration", [])
+    assert [p[1] for p in path[-2:]] == ["held-out 1", "held-out 2"]
+    # the bars are the errors the axis names, and the errors the table holds
+    bars = dict(found.chart())
+    assert bars == {s.name: s.error for s in found.table}
+    assert found.plot(tmp_path / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_bad_input() -> None:
@@ -242,10 +254,12 @@ def test_an_island_whose_output_overflows_its_caller_is_named() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     with torch.no_grad():
         model[0].weight.fill_(1e3)
-    with pytest.warns(UserWarning, match=r"output of the fp32 island '0' does not fit the low "
-                      r"dtype when it is handed back to its caller, the root"):
-        found = suggest(model, torch.full((4, 8), 1e2), low="fp16")
+    with pytest.warns(UserWarning, match=r"No plan short of the whole model.*every parameter in "
+                      r"fp32 \('0', '1'\).*overflows the low dtype in its caller"):
+        found = suggest(model, torch.full((32, 8), 1e2), low="fp16")
     assert not found.met
+    # '0' handed back fp32 first (its caller could not take it), then '1' too
+    assert ("0",) in [c.outputs for c in found.checks]
 
 
 def test_mixed_low_keeps_fp32_master_weights() -> None:
@@ -259,7 +273,13 @@ def test_mixed_low_keeps_fp32_master_weights() -> None:
 def test_bf16_default_tolerance_and_progress(capsys: pytest.CaptureFixture[str]) -> None:
     found = suggest(nn.Sequential(nn.Linear(8, 8)), sample(), progress=True)
     assert found.tolerance == 5e-2 and found.low.compute == bf16
-    assert "suggest: measuring modules" in capsys.readouterr().err
+    assert "suggest: held-out batches [############............] 1/2" in capsys.readouterr().err
+    torch.manual_seed(0)
+    suggest(nn.Sequential(nn.Linear(8, 16), Offset(), nn.Linear(16, 4)), sample(), low="bf16",
+            tolerance=2e-2, progress=True)
+    err = capsys.readouterr().err
+    assert "suggest: measuring modules [################........] 2/3" in err
+    assert "suggest: pruning [" in err
 
 
 def test_t5_gets_its_feed_forward_in_fp32_where_its_own_list_names_wo() -> None:
@@ -357,3 +377,162 @@ def test_outputs_suggest_cannot_compare_and_samples_in_another_dtype() -> None:
     found = suggest(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
                     torch.randn(8, 4, dtype=fp16), low="bf16")
     assert found.met and found.islands == []
+
+
+class TiedHead(nn.Module):
+    """An LM head tied to the embedding, whose own code overflows fp16."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x * GAIN, self.weight) / GAIN
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = TiedHead(self.emb)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.body(self.emb(ids))))
+        return out
+
+
+def test_a_plan_never_splits_a_tie() -> None:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(1))
+    found = suggest(TiedLM(), ids, low="fp16")
+    assert found.met and sorted(found.islands) == ["emb", "head"]  # the tie stays whole
+    assert found.plan["emb"].policy.storage == found.plan["head"].policy.storage == fp32
+    model = apply(TiedLM(), found.plan)
+    assert model.emb.weight is model.head.weight and model.head.weight.dtype == fp32
+    # a plan that splits the tie by hand is refused, naming both holders
+    split = found.plan.with_policies({"emb": found.plan["body"].policy})
+    with pytest.raises(ValueError, match=r"one shared parameter in two dtypes: .*emb.weight.*"
+                       r"head.weight"):
+        apply(TiedLM(), split)
+
+
+class Loud(nn.Module):
+    """Its own output passes fp16's range; its caller (a LayerNorm, fp32 under autocast)
+    takes an fp32 output fine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x) * GAIN * 4
+        return out
+
+
+def test_an_island_hands_back_fp32_before_the_search_climbs() -> None:
+    """0.2 climbed to the outermost ancestor whose output fits: here the whole model."""
+    torch.manual_seed(0)
+    model = Net(Loud())
+    found = suggest(model, sample(), low="16-mixed", loss_fn=mse)
+    assert found.met and found.islands == ["middle"] and found.outputs == ["middle"]
+    assert found.rules == [("middle", "fp32,output=fp32")]
+    assert found.plan["middle"].policy.output == fp32
+    assert found.plan["norm"].policy.compute == fp16  # the caller stays low
+    assert "hands back fp32" in found.reasons["middle"]
+    out = apply(model, found.plan)(sample())
+    assert torch.isfinite(out).all()
+
+
+def test_held_out_batches_catch_what_the_calibration_batch_does_not_show() -> None:
+    """A T5-sized overflow that only large inputs reach: the first half of the batch is small,
+    so the calibration batch passes with no island; a held-out batch fails, and the search
+    goes on from it."""
+    torch.manual_seed(0)
+    model = Net(Gained())
+    x = sample()
+    x[:16] *= 1e-3  # the calibration half: nothing overflows
+    found = suggest(model, x, low="fp16", loss_fn=mse)
+    assert found.met and found.islands == ["middle"]
+    tried = [(c.sample, c.islands, c.passed) for c in found.checks]
+    assert tried[:2] == [("calibration", (), True), ("held-out 1", (), False)]
+    assert all(c.passed for c in found.held_out) and len(found.held_out) == 2
+    assert found.worst.sample in ("calibration", "held-out 1", "held-out 2")
+
+
+def test_a_sample_too_small_to_show_peaks_is_said() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with pytest.warns(UserWarning, match="batch has 1 rows, too few to hold any out"):
+        found = suggest(model, torch.randn(1, 8), low="bf16")
+    assert found.held_out == []
+    with pytest.warns(UserWarning, match="calibration batch holds 2 rows.*too few to show the "
+                      "peaks"):
+        suggest(model, torch.randn(4, 8), low="bf16")
+
+
+def test_a_loss_of_output_and_sample_checks_held_out_batches() -> None:
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor = self.lin(x)
+            return out
+
+    seen: list[int] = []
+
+    def loss(out: torch.Tensor, batch: Any) -> torch.Tensor:
+        seen.append(len(batch[1]["y"]))
+        return nn.functional.mse_loss(out.float(), batch[1]["y"])
+
+    batch = ((), {"x": sample(), "y": torch.randn(32, 2)})
+    found = suggest(Regressor(), batch, low="bf16", loss_fn=loss)
+    assert found.met and len(found.held_out) == 2
+    assert set(seen) == {16, 8}  # the calibration half, and each held-out quarter
+    # a loss that closes over the whole batch: checked on it alone, and said so
+    y = torch.randn(32, 2)
+    with pytest.warns(UserWarning, match="closes over the whole batch"):
+        found = suggest(Regressor(), sample(), low="bf16",
+                        loss_fn=lambda out: nn.functional.mse_loss(out.float(), y))
+    assert found.held_out == []
+
+
+class FP8Outlier(nn.Module):
+    """An activation outlier channel that the next layer's weights ignore: in fp32 it adds
+    nothing, but scaled per tensor to fp8 it flushes every other input to zero."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[..., :1] * 1e6, x[..., 1:]], -1)
+
+
+def test_fp8_low_keeps_the_linear_an_outlier_breaks_and_the_small_ones_in_bf16() -> None:
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 2048), nn.GELU(), FP8Outlier(), nn.Linear(2048, 1040),
+                          nn.LayerNorm(1040), nn.Linear(1040, 16))
+    with torch.no_grad():
+        model[3].weight[:, 0] = 0
+    found = suggest(model, torch.randn(64, 64), low="fp8", loss_fn=mse)
+    assert found.met and found.islands == ["3"]
+    assert found.kept_for_speed == ["5"]  # 1040 -> 16: too small for fp8 to gain
+    assert found.checks[0].output_error > 1  # every Linear that gains in fp8: broken
+    plan = found.plan
+    assert plan["0"].policy.gemm == "fp8" and plan["0"].policy.compute == bf16
+    assert plan["3"].policy.gemm is None and plan["3"].policy.compute == bf16
+    assert plan["5"].policy.gemm is None
+    assert found.rules == [("5", "compute=bf16"), ("3", "compute=bf16")]
+
+
+def test_held_out_batches_given_and_none() -> None:
+    torch.manual_seed(0)
+    model = Net(Gained())
+    small, large = sample() * 1e-3, sample()
+    found = suggest(model, small, low="fp16", loss_fn=mse, held_out=[large])
+    assert found.met and found.islands == ["middle"]  # the held-out batch needed it
+    assert [c.sample for c in found.held_out] == ["held-out 1"]
+    assert found.final.sample == "calibration"
+    alone = suggest(model, small, low="fp16", loss_fn=mse, held_out=[])
+    assert alone.met and alone.islands == [] and alone.held_out == []
+    with pytest.raises(TypeError, match=r"held_out=\.\.\.\) is a list of samples"):
+        suggest(model, small, held_out=(small, {}))  # type: ignore[arg-type]

@@ -11,15 +11,14 @@ from pathlib import Path
 import torch
 
 from precision_annot._src.demo_model import TinyTransformer
-from precision_annot._src.demo_runner import _batches, _next_token_loss
+from precision_annot._src.demo_runner import _batches, next_token_loss
 from precision_annot._src.suggestion import Suggestion, suggest
 
 
 def render(out: Path) -> Suggestion:
     torch.manual_seed(0)
     tokens = _batches(1)[0]
-    found = suggest(TinyTransformer(), tokens[:, :-1], low="16-mixed",
-                    loss_fn=lambda logits: _next_token_loss(logits, tokens))
+    found = suggest(TinyTransformer(), tokens, low="16-mixed", loss_fn=next_token_loss)
     found.plot(out)
     return found
 

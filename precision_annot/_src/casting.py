@@ -47,20 +47,22 @@ def first_floating(obj: Any) -> torch.Tensor | None:
     return leaves[0] if leaves else None
 
 
-def map_tree(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`obj` with `fn` applied to every floating tensor; containers are rebuilt only where a
-    leaf changed (by identity), so unchanged lists, dicts and objects stay the same objects."""
+def map_tree(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], *,
+             floating_only: bool = True) -> Any:
+    """`obj` with `fn` applied to every floating tensor (every tensor, with
+    `floating_only=False`); containers are rebuilt only where a leaf changed (by identity), so
+    unchanged lists, dicts and objects stay the same objects."""
     if isinstance(obj, torch.Tensor):
-        return fn(obj) if obj.is_floating_point() else obj
+        return fn(obj) if obj.is_floating_point() or not floating_only else obj
     if isinstance(obj, (list, tuple)):
-        items = [map_tree(item, fn) for item in obj]
+        items = [map_tree(item, fn, floating_only=floating_only) for item in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         if isinstance(obj, list):
             return type(obj)(items) if type(obj) is not list else items
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, dict):
-        changed = {k: map_tree(v, fn) for k, v in obj.items()}
+        changed = {k: map_tree(v, fn, floating_only=floating_only) for k, v in obj.items()}
         if all(changed[k] is v for k, v in obj.items()):
             return obj
         new = copy.copy(obj)
@@ -68,7 +70,8 @@ def map_tree(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
             new[key] = value
         return new
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: map_tree(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)}
+        fields = {f.name: map_tree(getattr(obj, f.name), fn, floating_only=floating_only)
+                  for f in dataclasses.fields(obj)}
         if all(fields[k] is getattr(obj, k) for k in fields):
             return obj
         new = copy.copy(obj)  # type: ignore[arg-type]

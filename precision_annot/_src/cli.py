@@ -315,6 +315,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the exit status when the code a command runs (the model, a loader) raises: distinct from 1
+#: (an error found, a divergence, no plan met) and 2 (bad input)
+CRASHED = 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # targets import from the current directory, as with -m
@@ -327,10 +332,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CLIError as e:
             status = 2
             error = str(e)
+        except KeyboardInterrupt:
+            raise
         except BrokenPipeError:  # `precision-annot report ... | head` closed the pipe
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())  # so the exit's flush does not raise again
             return 128 + 13  # as a process stopped by SIGPIPE
+        except Exception as e:  # the user's model (or a loader) raised: not "no plan met" (1)
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
+            status = CRASHED
+            error = (f"{type(e).__name__} raised while running the command (the traceback is "
+                     f"above): {e}"[:2000])
         else:
             error = ""
     for w in caught:

@@ -161,6 +161,14 @@ def _batches(steps: int, batch: int = 16) -> tuple[torch.Tensor, ...]:
     return tuple(tokens[i:i + batch] for i in range(0, steps * batch, batch))
 
 
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The language-model loss of logits computed on `tokens` itself: each position predicts
+    the next token, the last position predicts nothing. As `loss_fn(output, sample)` it works
+    on any part of a batch, which `suggest` needs to check held-out batches."""
+    return nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB),
+                                       tokens[:, 1:].reshape(-1))
+
+
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB),
                                        tokens[:, 1:].reshape(-1))
@@ -197,8 +205,7 @@ def islands_demo(steps: int) -> PrecisionPlan:
     torch.manual_seed(0)
     model = TinyTransformer(vocab=VOCAB)
     sample = _batches(1)[0]
-    found = suggest(model, sample[:, :-1], low="16-mixed",
-                    loss_fn=lambda logits: _next_token_loss(logits, sample))
+    found = suggest(model, sample, low="16-mixed", loss_fn=next_token_loss)
     print(found)
 
     everything_low = copy.deepcopy(model)

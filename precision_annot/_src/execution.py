@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
-from precision_annot._src.dtypes import FP8
+from precision_annot._src.dtypes import FP8, dtype_name
 from precision_annot._src.float8 import Gemm
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, nearest, parent_name
 from precision_annot._src.policy import Policy, autocast_mode, exit_dtype
@@ -176,11 +176,21 @@ def _targets(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[Key, T
     """Rule 1: parameters and persistent floating buffers in their module's storage dtype;
     non-persistent buffers keep the dtype they were built in."""
     out: dict[Key, Target] = {}
+    owners: dict[int, tuple[str, str, torch.dtype]] = {}
     for name, module in named.items():
         storage = plan[name].policy.storage
         for pname, p in module._parameters.items():
             if p is not None and p.is_floating_point():
-                out[(name, "param", pname)] = Target(storage or p.dtype)
+                dtype = storage or p.dtype
+                out[(name, "param", pname)] = Target(dtype)
+                first = owners.setdefault(id(p), (name, pname, dtype))
+                if first[2] != dtype:
+                    raise ValueError(
+                        f"The plan stores one shared parameter in two dtypes: "
+                        f"{first[0] or '(root)'}.{first[1]} in {dtype_name(first[2])} and "
+                        f"{name or '(root)'}.{pname} in {dtype_name(dtype)}, the same tensor "
+                        "(tied weights). A tensor has one dtype: give every module that holds "
+                        "it the same storage.")
         non_persistent = module._non_persistent_buffers_set
         for bname, b in dict.items(module._buffers):
             if b is not None and b.is_floating_point():

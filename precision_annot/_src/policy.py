@@ -92,7 +92,8 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        """Parse "compute=bf16,storage=fp32", a bare dtype such as "fp32", or a preset.
+        """Parse "compute=bf16,storage=fp32", a bare dtype such as "fp32", a preset, or a dtype
+        or preset followed by fields ("fp32,output=fp32", "bf16-mixed,compute=fp8").
 
         A bare dtype sets compute, storage and comm. The presets are Lightning's precision
         strings: "32-true", "16-true", "bf16-true", "64-true", and "16-mixed" and
@@ -109,11 +110,15 @@ class Policy:
             return cls()
         if lowered in PRESETS:
             return PRESETS[lowered]
+        head, comma, rest = stripped.partition(",")
+        if comma and "=" not in head and "=" in rest:  # a base, then fields: "fp32,output=fp32"
+            return cls.parse(head).merge(cls.parse(rest))
         if "=" not in stripped:
             if "," in stripped:
                 raise ValueError(
                     f"Cannot parse policy {text!r}: use key=dtype pairs such as "
-                    f"'compute=bf16,storage=fp32'."
+                    f"'compute=bf16,storage=fp32', after at most one dtype or preset "
+                    f"('fp32,output=fp32')."
                 )
             try:
                 dtype = to_dtype(stripped, field="spec")

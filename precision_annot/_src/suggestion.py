@@ -22,22 +22,24 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
+import itertools
 import json
 import math
 import sys
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from precision_annot._src.casting import floating_leaves, map_tree
-from precision_annot._src.dtypes import LOW_PRECISION, dtype_name, fp16, fp32
+from precision_annot._src.dtypes import FP8_RECIPES, LOW_PRECISION, bf16, dtype_name, fp16, fp32
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan, Source, format_table, parent_name
 from precision_annot._src.policy import Policy, SpecLike, as_policy
@@ -53,6 +55,8 @@ DEFAULT_TOLERANCE = {fp16: 1e-2, torch.bfloat16: 5e-2}
 ISLAND = Policy(compute=fp32, storage=fp32, comm=fp32)
 FP16_SMALLEST = 2.0 ** -24  # the smallest fp16 subnormal: a gradient below it flushes to zero
 MAX_CHECKS = 64
+MARGIN = 0.5  # the calibration batch is held to this share of the tolerance
+MIN_ROWS = 16  # fewer rows (tokens, samples) than this cannot show a model's peaks
 SEED = 0  # every run starts from it, so that sampling or noise in a forward repeats
 OUTSIDE = "<outside the model>"  # code no module runs: the loss function
 
@@ -106,16 +110,28 @@ class Check:
         loss_error: relative error of the loss, with `loss_fn`.
         grad_error: relative error of all gradients together, with `loss_fn`.
         first_nonfinite: the module whose own code first produced a non-finite value ("" for the
-            root), or None.
-        passed: every error within the tolerance.
+            root), or None (none, or not looked for: only a failing run is watched).
+        passed: every error within `limit`.
+        sample: the batch it ran on: "calibration", or "held-out 1", ...
+        limit: the error it was held to: a margin below the tolerance on the calibration batch,
+            the tolerance on held-out batches.
+        fp32_params: the parameter elements its islands hold.
+        outputs: the islands that hand their output back in fp32.
+        crashed: the error the plan's run raised (a caller that cannot take an island's fp32
+            output, in a model without autocast), or None.
     """
 
     islands: tuple[str, ...]
+    outputs: tuple[str, ...]
     output_error: float
     loss_error: float | None
     grad_error: float | None
     first_nonfinite: str | None
     passed: bool
+    sample: str = "calibration"
+    limit: float = math.inf
+    fp32_params: int = 0
+    crashed: str | None = None
 
     def errors(self) -> dict[str, float]:
         out = {"output": self.output_error}
@@ -125,37 +141,81 @@ class Check:
             out["gradients"] = self.grad_error
         return out
 
+    @property
+    def finite(self) -> bool:
+        return all(math.isfinite(e) for e in self.errors().values())
+
+    @property
+    def failed(self) -> list[str]:
+        """The errors above the limit: "output", "loss", "gradients"."""
+        return [k for k, v in self.errors().items() if not (math.isfinite(v) and v <= self.limit)]
+
+    def to_dict(self) -> dict[str, Any]:
+        def number(x: float) -> float | str:
+            return x if math.isfinite(x) else str(x)
+
+        return {"islands": list(self.islands), "output_fp32": list(self.outputs),
+                "sample": self.sample, "limit": self.limit,
+                "errors": {k: number(v) for k, v in self.errors().items()},
+                "failed": self.failed, "passed": self.passed,
+                "first_nonfinite": self.first_nonfinite, "fp32_params": self.fp32_params,
+                "crashed": self.crashed}
+
 
 class Suggestion:
     """What `suggest` found: the fp32 islands, and the evidence.
 
     Attributes:
-        islands: names of the modules to keep in fp32, outermost only.
-        rules: `[(name, "fp32"), ...]`, for `annotate(model, suggestion.rules)`.
+        islands: names of the modules to keep in fp32 (in high precision for an fp8 `low`),
+            outermost only.
+        outputs: the islands that hand their output back in fp32 (`output=fp32`).
+        rules: `[(name, policy), ...]`, for `annotate(model, suggestion.rules)`.
         plan: the plan for the model given to `suggest`: everything in `low`, the islands in
             fp32; ready for `apply` and every adapter.
-        table: every measured module's `Sensitivity`, most sensitive first.
-        checks: the end-to-end runs, in order; the plan's own is the last that passed.
-        met: whether the plan meets the tolerance.
+        table: every measured module's `Sensitivity`, most sensitive first (empty when no check
+            needed it: modules are measured one by one only when a plan fails with finite
+            errors).
+        checks: every end-to-end run, in order, on every batch (`Check.sample`).
+        final: the plan's check on the calibration batch.
+        held_out: the plan's checks on the held-out batches; `worst` is the worst of them all.
+        met: the plan meets the tolerance on every batch.
         low: the policy of everything outside the islands.
-        tolerance: the tolerance asked for.
+        tolerance: the tolerance asked for; the calibration batch is held to `margin` times it.
+        kept_for_speed: Linear layers kept out of fp8 because their GEMMs are too small to
+            gain (fp8 `low` only).
+        reasons: why each island was added: "a non-finite value arose in it", "gradients", ...
         seconds: how long `suggest` took.
     """
 
-    def __init__(self, *, islands: list[str], plan: PrecisionPlan, table: list[Sensitivity],
-                 checks: list[Check], final: Check, met: bool, low: Policy, tolerance: float,
-                 seconds: float, message: str) -> None:
-        self.islands = islands
-        self.rules: list[tuple[str, str]] = [(name, "fp32") for name in islands]
+    def __init__(self, *, islands: Islands, plan: PrecisionPlan, table: list[Sensitivity],
+                 checks: list[Check], final: Check, held_out: list[Check], met: bool,
+                 low: Policy, tolerance: float, margin: float, seconds: float, message: str,
+                 reasons: dict[str, str], kept_for_speed: list[str], island: Policy) -> None:
+        self.islands = [i for i in islands if i not in kept_for_speed]
+        self.outputs = [i for i, out in islands.items() if out]
+        text = "bf16" if island.compute == bf16 and island.storage != bf16 else "fp32"
+        text = f"compute={dtype_name(island.compute)}" if low.gemm else text
+        self.rules: list[tuple[str, str]] = [
+            (name, f"{text},output=fp32" if islands[name] else text) for name in islands]
         self.plan = plan
         self.table = table
         self.checks = checks
         self.final = final
+        self.held_out = held_out
         self.met = met
         self.low = low
         self.tolerance = tolerance
+        self.margin = margin
         self.seconds = seconds
         self.message = message
+        self.reasons = reasons
+        self.kept_for_speed = kept_for_speed
+
+    @property
+    def worst(self) -> Check:
+        """The plan's worst check over every batch, by its largest error."""
+        return max([self.final, *self.held_out],
+                   key=lambda c: max(c.errors().values()) / min(c.limit, self.tolerance))
 
     def __repr__(self) -> str:
         return (f"Suggestion({len(self.islands)} fp32 islands: {self.islands}, "
@@ -166,16 +226,29 @@ class Suggestion:
         held = sum(e.params for n, e in self.plan.items()
                    if any(n == i or n.startswith(i + ".") for i in self.islands))
         errors = ", ".join(f"{k} error {v:.2e}" for k, v in self.final.errors().items())
+        worst = ", ".join(f"{k} {v:.2e}" for k, v in self.worst.errors().items())
+        kind = "high-precision" if self.low.gemm else "fp32"
+        what = self.low.show("compute")
         lines = [
-            f"suggest: everything in {self.low} ({dtype_name(self.low.compute)} compute), "
-            f"tolerance {self.tolerance:g}, {len(self.checks)} end-to-end checks, "
-            f"{self.seconds:.1f} s",
+            f"suggest: everything in {self.low} ({what} compute), tolerance "
+            f"{self.tolerance:g} (the calibration batch held to {self.margin:g} of it), "
+            f"{len(self.checks)} end-to-end checks, {self.seconds:.1f} s",
             self.message,
-            f"fp32 islands ({len(self.islands)}, holding {held:,} of {total:,} parameters, "
-            f"{held / max(total, 1):.0%}): {', '.join(self.islands) or 'none'}",
-            f"end to end: {errors}",
-            "",
+            f"{kind} islands ({len(self.islands)}, holding {held:,} of {total:,} parameters, "
+            f"{held / max(total, 1):.0%}): "
+            + (", ".join(i + (" (output fp32)" if i in self.outputs else "")
+                         for i in self.islands) or "none"),
+            f"calibration batch: {errors}",
+            (f"held-out batches ({len(self.held_out)}), the worst: {worst}" if self.held_out
+             else "held-out batches: none"),
         ]
+        if self.kept_for_speed:
+            lines.append(f"kept out of fp8 as too small to gain: {len(self.kept_for_speed)} "
+                         "Linear layers")
+        lines.append("")
+        if not self.table:
+            lines.append("No module was measured alone: the checks found every island.")
+            return "\n".join(lines)
         header = ("module", "type", "params", "error alone", "peak |x|", "peak/max",
                   "non-finite", "grad peak", "underflow", "island")
         rows: list[tuple[str, ...]] = [header]
@@ -195,7 +268,8 @@ class Suggestion:
         return "\n".join(lines)
 
     def to_json(self, *, indent: int | None = 2) -> str:
-        """The suggestion as JSON: the islands, the checks, the table and the plan."""
+        """The suggestion as JSON: the islands, every check tried (the path), the table and
+        the plan."""
         def number(x: float | None) -> float | str | None:
             return x if x is None or math.isfinite(x) else str(x)
 
@@ -203,19 +277,34 @@ class Suggestion:
             "format": "precision_annot.suggestion",
             "low": str(self.low),
             "tolerance": self.tolerance,
+            "margin": self.margin,
             "met": self.met,
             "message": self.message,
             "islands": self.islands,
+            "output_fp32": self.outputs,
+            "reasons": self.reasons,
+            "kept_for_speed": self.kept_for_speed,
             "errors": {k: number(v) for k, v in self.final.errors().items()},
+            "held_out": [c.to_dict() for c in self.held_out],
             "checks": len(self.checks),
+            "path": [c.to_dict() for c in self.checks],
             "seconds": round(self.seconds, 3),
             "table": [{k: number(v) if isinstance(v, float) else v
                        for k, v in dataclasses.asdict(s).items()} for s in self.table],
             "plan": json.loads(self.plan.to_json()),
         }, indent=indent)
 
+    def chart(self, *, top: int = 40) -> list[tuple[str, float]]:
+        """The bars `plot` draws, bottom to top: each measured module's `error` alone in the
+        low dtype (a non-finite error drawn at 1e3, a zero at 1e-8 on the log scale)."""
+        rows = sorted((s for s in self.table if not math.isnan(s.error)),
+                      key=lambda s: -s.error)[:top][::-1]
+        return [(s.name, 1e3 if not math.isfinite(s.error) else max(s.error, 1e-8))
+                for s in rows]
+
     def plot(self, path: str | Path, *, top: int = 40) -> Path:
-        """A bar chart of each module's sensitivity, islands highlighted, written to `path`.
+        """A bar chart of each measured module's error alone in the low dtype, islands
+        highlighted, written to `path`.
 
         Needs matplotlib: `pip install 'precision-annot[plot]'`.
         """
@@ -227,17 +316,15 @@ class Suggestion:
         except ImportError as e:
             raise ImportError("Suggestion.plot needs matplotlib: "
                               "pip install 'precision-annot[plot]'") from e
-        rows = [s for s in self.table if not math.isnan(s.error)][:top][::-1]
-        floor = 1e-8
-        values = [1e3 if s.nonfinite else max(s.error, s.underflow or 0.0, floor) for s in rows]
-        colors = ["#d62728" if s.name in self.islands else "#1f77b4" for s in rows]
-        fig, ax = plt.subplots(figsize=(8, max(2.5, 0.28 * len(rows) + 1)))
-        ax.barh([s.name or "(root)" for s in rows], values, color=colors)
+        bars = self.chart(top=top)
+        colors = ["#d62728" if name in self.islands else "#1f77b4" for name, _ in bars]
+        fig, ax = plt.subplots(figsize=(8, max(2.5, 0.28 * len(bars) + 1)))
+        ax.barh([name or "(root)" for name, _ in bars], [v for _, v in bars], color=colors)
         ax.set_xscale("log")
         ax.axvline(self.tolerance, color="gray", linestyle="--", linewidth=1)
-        ax.set_xlabel(f"relative error alone in {dtype_name(self.low.compute)} "
+        ax.set_xlabel(f"relative error of the output, alone in {dtype_name(self.low.compute)} "
                       "(non-finite drawn at 1e3); dashed: tolerance")
-        ax.set_title(f"Sensitivity per module: red = kept in fp32 ({len(self.islands)})")
+        ax.set_title(f"Error per module: red = kept in fp32 ({len(self.islands)})")
         fig.tight_layout()
         out = Path(path)
         fig.savefig(out, dpi=120)
@@ -301,6 +388,10 @@ class _Reference:
 Counts = dict[tuple[str, str], int]  # (module, "forward" | "backward") -> non-finite elements
 
 
+_FP8_DATA = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
+                       torch.float8_e5m2fnuz, torch.float8_e8m0fnu})
+
+
 class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Watches the ops of a run: the largest |value| each module's own ops produce in forward,
     the largest in backward, how many non-finite elements each module's own ops produce, and
@@ -330,6 +421,8 @@ class _Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
+        results = [t for t in results if t.dtype not in _FP8_DATA  # fp8 GEMMs' scaled data
+                   and not is_traceable_wrapper_subclass(t)]
         if not results:
             return out
         owner = self.tracker.owner()
@@ -365,7 +458,7 @@ def _require_real_data(model: nn.Module, sample: Any) -> None:
                          "the model (model.to_empty(device=...) and load its weights) first.")
 
 
-def _require_outputs(output: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> None:
+def _require_outputs(output: Any, loss_fn: LossFn | None) -> None:
     """suggest compares floating outputs (or, with `loss_fn`, the loss and the gradients)."""
     if isinstance(output, types.GeneratorType):
         raise TypeError(
@@ -418,7 +511,7 @@ def _require_finite_reference(ref: _Reference) -> None:
 
 
 def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               loss_fn: Callable[[Any], torch.Tensor] | None) -> _Reference:
+               loss_fn: LossFn | None, sample: _Sample) -> _Reference:
     inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     outputs: dict[str, Any] = {}
 
@@ -445,7 +538,7 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
                             "passed as one argument; for several positional arguments pass "
                             "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
-        loss = loss_fn(output) if loss_fn is not None else None
+        loss = loss_fn(output, sample) if loss_fn is not None else None
         if loss is not None:
             if not (isinstance(loss, torch.Tensor) and loss.is_floating_point()
                     and loss.numel() == 1 and loss.requires_grad):
@@ -456,6 +549,7 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             loss.backward()  # type: ignore[no-untyped-call]
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
+    model.zero_grad(set_to_none=True)
     return _Reference(_detached(output), None if loss is None else loss.detach(), grads,
                       inputs, outputs, mode.peaks, mode.backward_peak, mode.counts)
 
@@ -468,33 +562,40 @@ def _describe(value: Any) -> str:
 
 
 def _uniform(structure: PrecisionPlan, policy: Policy) -> PrecisionPlan:
-    return _plan(structure, policy, [], None)
+    return _plan(structure, policy, {}, None, ISLAND)
 
 
-def _plan(structure: PrecisionPlan, policy: Policy, islands: list[str],
-          modules: dict[str, nn.Module] | None) -> PrecisionPlan:
+def _plan(structure: PrecisionPlan, policy: Policy, islands: Islands,
+          modules: dict[str, nn.Module] | None, island: Policy) -> PrecisionPlan:
     """`structure` (a resolved plan, for names, classes and kept arguments) with everything in
-    `policy` but the islands and their subtrees in fp32."""
+    `policy` but the islands and their subtrees in `island`; an island marked True hands its
+    output back in fp32."""
     policies: dict[str, Policy] = {}
     sources: dict[str, dict[str, Source | None]] = {}
+    handing = dataclasses.replace(island, output=fp32)
     for name in structure:
-        island = next((i for i in islands if name == i or name.startswith(i + ".")), None)
-        chosen = ISLAND if island is not None else policy
-        source: Source = "default" if not name else "rule" if island == name else "inherited"
+        owner = _covering(name, islands)
+        chosen = policy if owner is None else handing if (owner == name and islands[name]) \
+            else island
+        source: Source = "default" if not name else "rule" if owner == name else "inherited"
         policies[name] = chosen
         sources[name] = {f: (source if v is not None else None) for f, v in chosen.items()}
+        if chosen.gemm is not None:
+            sources[name]["gemm"] = source
     planned = structure.with_policies(policies, sources)
     return PrecisionPlan(dict(planned.items()), default=policy, model_type=structure.model_type,
                          modules=modules)
 
 
 def _measure(reference: nn.Module, ref: _Reference, structure: PrecisionPlan, policy: Policy,
-             scale: float, progress: _Progress) -> list[Sensitivity]:
+             scale: float, progress: _Progress, eligible: set[str] | None = None
+             ) -> list[Sensitivity]:
     low = policy.compute
     assert low is not None
     limit = torch.finfo(low).max
     named = dict(reference.named_modules())
-    todo = [n for n in ref.inputs if n and not structure[n].container and n in named]
+    todo = [n for n in ref.inputs if n and not structure[n].container and n in named
+            and (eligible is None or n in eligible)]
     table = []
     for i, name in enumerate(todo):
         progress.update("measuring modules", i, len(todo))
@@ -550,97 +651,267 @@ def _alone(module: nn.Module, name: str, ref: _Reference, structure: PrecisionPl
 
 # -- choosing ------------------------------------------------------------------------------------
 
-def _check(reference: nn.Module, ref: _Reference, structure: PrecisionPlan, policy: Policy,
-           islands: list[str], args: tuple[Any, ...], kwargs: dict[str, Any],
-           loss_fn: Callable[[Any], torch.Tensor] | None, scale: float,
-           tolerance: float) -> Check:
-    model = copy.deepcopy(reference)
-    apply(model, _plan(structure, policy, islands, None))
+Islands = dict[str, bool]  # island -> it hands its output back in fp32
+
+
+def _key(islands: Islands) -> tuple[tuple[str, bool], ...]:
+    return tuple(sorted(islands.items()))
+
+
+def _covering(name: str, islands: Islands) -> str | None:
+    return next((i for i in islands if name == i or name.startswith(i + ".")), None)
+
+
+def _peak(value: Any) -> float:
+    leaves: list[torch.Tensor] = []
+    floating_leaves(value, leaves)
+    finite = [t[torch.isfinite(t)] for t in leaves]
+    return max((float(t.abs().max()) for t in finite if t.numel()), default=0.0)
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One batch the plans are checked on: its call, its fp32 reference and its label."""
+
+    label: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    ref: _Reference | None = None  # the full one (inputs, outputs, peaks), when it was needed
+    light: _Reference | None = None  # outputs, loss, gradients and non-finite counts
+    original: Any = None  # the batch as the user gave it (what a two-argument loss_fn gets)
+
+
+class _Search:
+    """The end-to-end checks of one `suggest` call: each plan checked once per sample, the path
+    kept, and the best plan seen."""
+
+    def __init__(self, reference: nn.Module, structure: PrecisionPlan, policy: Policy,
+                 island: Policy, loss_fn: LossFn | None, scale: float, tolerance: float,
+                 margin: float, ties: list[set[str]], sizes: dict[str, int]) -> None:
+        self.reference = reference
+        self.structure = structure
+        self.policy = policy
+        self.island = island
+        self.loss_fn = loss_fn
+        self.scale = scale
+        self.tolerance = tolerance
+        self.margin = margin
+        self.ties = ties
+        self.sizes = sizes
+        self.memo: dict[tuple[Any, ...], Check] = {}
+        self.path: list[Check] = []
+        self.own = {n: {id(p): p.numel() for p in m._parameters.values() if p is not None}
+                    for n, m in reference.named_modules()}
+
+    def held_together(self, islands: Islands) -> Islands:
+        """The islands with every owner of a parameter they share with a module outside: a
+        tie has one dtype, so a plan never stores one tensor in two."""
+        if self.policy.storage == self.island.storage:
+            return islands
+        out = dict(islands)
+        for owners in self.ties:
+            inside = [o for o in owners if _covering(o, out) is not None]
+            if inside:
+                for owner in owners:
+                    if _covering(owner, out) is None:
+                        out[owner] = False
+        return out
+
+    def fp32_params(self, islands: Islands) -> int:
+        """The parameter elements the islands hold, a shared one counted once."""
+        seen: dict[int, int] = {}
+        for name, own in self.own.items():
+            if _covering(name, islands) is not None:
+                seen.update(own)
+        return sum(seen.values())
+
+    def check(self, islands: Islands, sample: _Sample, *, limit: float) -> Check:
+        islands = self.held_together(islands)
+        key = (_key(islands), sample.label, limit)
+        found = self.memo.get(key)
+        if found is not None:
+            return found
+        assert sample.light is not None
+        result = _check(self, islands, sample, limit, watch=False)
+        if result.first_nonfinite is None and not result.finite and result.crashed is None:
+            result = _check(self, islands, sample, limit, watch=True)  # find where
+        self.memo[key] = result
+        self.path.append(result)
+        return result
+
+    def plan(self, islands: Islands, modules: dict[str, nn.Module] | None = None,
+             structure: PrecisionPlan | None = None) -> PrecisionPlan:
+        return _plan(structure or self.structure, self.policy, islands, modules, self.island)
+
+
+def _check(search: _Search, islands: Islands, sample: _Sample, limit: float, *,
+           watch: bool) -> Check:
+    ref = sample.light
+    assert ref is not None
+    model = copy.deepcopy(search.reference)
+    apply(model, search.plan(islands))
     names = {m: n for n, m in model.named_modules()}
     tracker = ModuleTracker(names)
     mode = _Watch(tracker, baseline=ref.nonfinite)
     loss_error = grad_error = None
-    with tracker, mode:
-        torch.manual_seed(SEED)
-        output = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-        output_error = relative_error(output, ref.output)
-        if loss_fn is not None and ref.loss is not None:
-            loss = loss_fn(output)
-            loss_error = relative_error(loss, ref.loss)
-            (loss * scale).backward()  # type: ignore[no-untyped-call]
-            grads = {n: p.grad.double() / scale for n, p in model.named_parameters()
-                     if p.grad is not None}
-            grad_error = relative_error([grads[n] for n in ref.grads if n in grads],
-                                        [ref.grads[n] for n in ref.grads if n in grads])
-            if len(grads) != len(ref.grads):
-                grad_error = math.inf
+    crashed = None
+    try:
+        with (tracker if watch else contextlib.nullcontext()), (
+                mode if watch else contextlib.nullcontext()):
+            torch.manual_seed(SEED)
+            output = model(*copy.deepcopy(sample.args), **copy.deepcopy(sample.kwargs))
+            output_error = relative_error(output, ref.output)
+            if search.loss_fn is not None and ref.loss is not None:
+                loss = search.loss_fn(output, sample)
+                loss_error = relative_error(loss, ref.loss)
+                (loss * search.scale).backward()  # type: ignore[no-untyped-call]
+                grads = {n: p.grad.double() / search.scale for n, p in model.named_parameters()
+                         if p.grad is not None}
+                grad_error = relative_error([grads[n] for n in ref.grads if n in grads],
+                                            [ref.grads[n] for n in ref.grads if n in grads])
+                if len(grads) != len(ref.grads):
+                    grad_error = math.inf
+    except RuntimeError as e:  # the plan itself fails (an fp32 output its caller cannot take)
+        crashed = f"{type(e).__name__}: {e}"[:300]
+        output_error = math.inf
+        loss_error = None if loss_error is None else math.inf
     errors = [e for e in (output_error, loss_error, grad_error) if e is not None]
-    passed = all(math.isfinite(e) and e <= tolerance for e in errors)
-    return Check(tuple(islands), output_error, loss_error, grad_error, mode.first_nonfinite,
-                 passed)
+    passed = all(math.isfinite(e) and e <= limit for e in errors)
+    return Check(tuple(islands), tuple(i for i, out in islands.items() if out), output_error,
+                 loss_error, grad_error, mode.first_nonfinite if watch else None, passed,
+                 sample.label, limit, search.fp32_params(islands), crashed)
 
 
-def _choose(table: list[Sensitivity], structure: PrecisionPlan, check: Callable[[list[str]], Check],
-            progress: _Progress) -> tuple[list[str], list[Check], bool, str]:
-    def covered(name: str, islands: list[str]) -> bool:
-        return any(name == i or name.startswith(i + ".") for i in islands)
+_HANDED = "its output overflowed on the way out: it hands back fp32"
 
-    def runs_above(name: str) -> str:
-        """The nearest ancestor that runs its own forward ("" for the root)."""
-        parent = parent_name(name)
-        while parent and structure[parent].container:
-            parent = parent_name(parent)
-        return parent
 
-    order = [s.name for s in table if s.score > 0]
-    islands: list[str] = []
-    checks = [check(islands)]
-    message = ""
-    while not checks[-1].passed and len(checks) < MAX_CHECKS:
-        progress.update("end-to-end checks", len(checks), len(checks) + 1)
-        last = checks[-1]
+def _runs_above(structure: PrecisionPlan, name: str) -> str:
+    """The nearest ancestor that runs its own forward ("" for the root)."""
+    parent = parent_name(name)
+    while parent and structure[parent].container:
+        parent = parent_name(parent)
+    return parent
+
+
+def _climb(structure: PrecisionPlan, ref: _Reference, start: str, limit: float
+           ) -> tuple[str, bool]:
+    """The island that takes over from `start`, whose output overflowed its caller: the
+    nearest module at or above `start` (never the root) whose output, as the fp32 run
+    recorded it, fits the low dtype with room to spare; else the outermost, handing back fp32.
+    One level at a time, chosen from the recorded peaks, not by a check per level."""
+    name, last = start, start
+    while name:
+        if name in ref.outputs and _peak(ref.outputs[name]) < limit / 2:
+            return name, False
+        last = name
+        name = _runs_above(structure, name)
+    return last, True
+
+
+def _choose(search: _Search, sample: _Sample, start: Islands, measure: Callable[[], list[
+            Sensitivity]], progress: _Progress, low_max: float, fixed: frozenset[str],
+            limit: float | None = None, prune: bool = True
+            ) -> tuple[Islands, str, dict[str, str]]:
+    """Add islands until a check on `sample` passes at `limit` (the margin times the
+    tolerance by default). Returns the islands, a message when it gave up, and why each island
+    was added. `fixed` islands (kept for speed) are never pruned."""
+    structure = search.structure
+    limit = search.tolerance * search.margin if limit is None else limit
+    islands = dict(start)
+    why: dict[str, str] = {}
+    ref = sample.ref
+    assert ref is not None
+    candidates = sum(1 for e in structure.values() if not e.container)
+    last = search.check(islands, sample, limit=limit)
+    while not last.passed and len(search.memo) < MAX_CHECKS:
+        progress.update(f"checks on the {sample.label} batch", len(search.memo),
+                        min(MAX_CHECKS, candidates + 1))
         culprit = last.first_nonfinite
+        target: str | None = None
+        out32 = False
+        handed = [i for i in last.outputs if why.get(i) == _HANDED]
+        if last.crashed is not None and handed:  # its caller cannot take fp32: move up
+            target, out32 = _climb(structure, ref, _runs_above(structure, handed[-1]) or
+                                   handed[-1], low_max)
+            why[target] = "an island's fp32 output could not be taken by its caller"
+            islands = {i: o for i, o in islands.items()
+                       if _covering(i, {target: False}) is None}
+            islands[target] = out32
+            last = search.check(islands, sample, limit=limit)
+            continue
         if culprit == OUTSIDE:
-            target = None
-            where = ("a non-finite value first appears outside the model, in loss_fn: compute "
-                     "the loss in fp32 (output.float())")
-        elif culprit is not None:
-            # a value that overflows on leaving an island needs the island's caller too
-            leaving = bool(culprit) and covered(culprit, islands)
-            target = runs_above(culprit) if leaving else culprit
-            where = (f"the output of the fp32 island {culprit!r} does not fit the low dtype "
-                     "when it is handed back to its caller, the root, which cannot be an island"
-                     if leaving else "a non-finite value arises in the model's own code (the "
-                     "root), which cannot be an island")
+            return islands, ("No plan short of the whole model in fp32 meets the tolerance: a "
+                             "non-finite value first appears outside the model, in loss_fn: "
+                             "compute the loss in fp32 (output.float())."), why
+        if culprit is not None:
+            owner = _covering(culprit, islands) if culprit else None
+            callers = [i for i, out in islands.items()
+                       if out and _runs_above(structure, i) == culprit]
+            if owner is not None and not islands[owner]:
+                target, out32, reason = owner, True, _HANDED
+            elif owner is not None or (culprit and callers):
+                target, out32 = _climb(structure, ref, owner or culprit, low_max)
+                reason = "an island's fp32 output overflowed its caller"
+            elif culprit:
+                target, reason = culprit, "a non-finite value arose in it"
+            else:
+                return islands, ("No plan short of the whole model in fp32 meets the "
+                                 "tolerance: a non-finite value arises in the model's own code "
+                                 "(the root), which cannot be an island."), why
         else:
-            target = next((n for n in order if not covered(n, islands)), None)
-            where = "every measured module is in fp32 already"
-        if not target:
-            message = (f"No plan short of the whole model in fp32 meets the tolerance: "
-                       f"{where}. The errors reached: "
-                       + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
-            break
-        islands = [i for i in islands if not covered(i, [target])] + [target]
-        checks.append(check(islands))
-    met = checks[-1].passed
-    if met:
-        # drop what is not needed, the largest islands first
-        size = {s.name: s.params for s in table}
-        for island in sorted(islands, key=lambda n: -sum(
-                v for k, v in size.items() if k == n or k.startswith(n + "."))):
-            progress.update("pruning", len(checks), len(checks) + 1)
-            trial = [i for i in islands if i != island]
-            result = check(trial)
-            checks.append(result)
-            if result.passed:
-                islands = trial
-        message = (f"The plan meets the tolerance with {len(islands)} fp32 island"
-                   f"{'' if len(islands) == 1 else 's'}.")
-    elif not message:
-        message = (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks; the "
-                   "islands shown are the last ones tried.")
+            table = measure()
+            target = next((s.name for s in table if s.score > 0
+                           and _covering(s.name, islands) is None), None)
+            grads_only = (last.grad_error is not None and last.grad_error > limit
+                          and last.output_error <= limit
+                          and (last.loss_error is None or last.loss_error <= limit))
+            reason = "gradients" if grads_only else "sensitive"
+            if target is None:
+                return islands, ("No plan short of the whole model in fp32 meets the "
+                                 "tolerance: every module measured alone is an island already "
+                                 "(or could not be run alone). The errors reached: "
+                                 + ", ".join(
+                                     f"{k} {v:.2e}" for k, v in last.errors().items()) + "."), why
+        if target == "":
+            return islands, ("No plan short of the whole model in fp32 meets the tolerance: "
+                             "the output of the fp32 island does not fit the low dtype when it "
+                             "is handed back to its caller, the root, which cannot be an "
+                             "island."), why
+        assert target is not None
+        islands = {i: o for i, o in islands.items() if _covering(i, {target: False}) is None}
+        islands[target] = out32 or islands.get(target, False)
+        why[target] = reason
+        last = search.check(islands, sample, limit=limit)
+    if not last.passed:
+        return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks; the "
+                         "islands shown are the best plan tried."), why
+    if not prune:  # islands the batches seen before need stay
+        return islands, "", why
+    return _prune(search, sample, islands, limit, progress, fixed), "", why
+
+
+def _prune(search: _Search, sample: _Sample, islands: Islands, limit: float,
+           progress: _Progress, fixed: frozenset[str]) -> Islands:
+    """Drop each island again, the largest first, while the plan still passes; then hand back
+    in the low dtype where fp32 output is not needed."""
+    order = sorted((i for i in islands if i not in fixed), key=lambda n: -search.sizes.get(n, 0))
+    for i, island in enumerate(order):
+        progress.update("pruning", i, len(order))
+        trial = {k: v for k, v in islands.items() if k != island}
+        if search.check(trial, sample, limit=limit).passed:
+            islands = trial
+    for island in [k for k, v in islands.items() if v]:
+        trial = {**islands, island: False}
+        if search.check(trial, sample, limit=limit).passed:
+            islands = trial
     progress.done()
-    return islands, checks, met, message
+    return islands
+
+
+def _best(search: _Search, label: str) -> Check | None:
+    """The passing check with the fewest fp32 parameters (then islands) on `label`'s batch."""
+    passed = [c for c in search.path if c.sample == label and c.passed]
+    return min(passed, key=lambda c: (c.fp32_params, len(c.islands)), default=None)
 
 
 class _Progress:
@@ -678,34 +949,248 @@ def _fp32_copy(model: nn.Module) -> nn.Module:
     return reference
 
 
+LossFn = Callable[[Any, "_Sample"], torch.Tensor]
+
+
+def _loss_fn(loss_fn: Callable[..., torch.Tensor] | None) -> LossFn | None:
+    """`loss_fn(output)` or `loss_fn(output, sample)`, as one signature."""
+    if loss_fn is None:
+        return None
+    if not callable(loss_fn):
+        raise TypeError(f"suggest(loss_fn=...) must be callable: output -> loss, or "
+                        f"(output, sample) -> loss. Received: loss_fn={loss_fn!r}")
+    try:
+        params = [p for p in inspect.signature(loss_fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+        two = len(params) >= 2
+    except (TypeError, ValueError):
+        two = False
+    if two:
+        return lambda output, sample: loss_fn(output, sample.original)
+    return lambda output, sample: loss_fn(output)
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    leaves: list[torch.Tensor] = []
+    _tensor_leaves((args, kwargs), leaves)
+    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 0
+
+
+def _tensor_leaves(obj: Any, out: list[torch.Tensor]) -> None:
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        out.append(t)
+        return t
+
+    map_tree(obj, keep, floating_only=False)
+
+
+def _rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """How many rows (tokens, samples) the sample holds: all but the last dimension of a
+    floating input, every element of an integer one."""
+    leaves: list[torch.Tensor] = []
+    _tensor_leaves((args, kwargs), leaves)
+    if not leaves:
+        return 0
+    t = leaves[0]
+    return int(t.numel() // (t.shape[-1] if t.is_floating_point() and t.dim() > 1 else 1))
+
+
+def _split(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int
+           ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The sample cut along its batch dimension (the first dimension of its first tensor):
+    every tensor with that first dimension is cut, others are shared."""
+    size = _batch_size(args, kwargs)
+    bounds = [size * i // parts for i in range(parts + 1)]
+
+    def cut(lo: int, hi: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda t: t[lo:hi] if t.dim() and t.shape[0] == size else t
+
+    return [map_tree((args, kwargs), cut(lo, hi), floating_only=False)
+            for lo, hi in itertools.pairwise(bounds)]
+
+
+def _as_given(sample: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A part of `sample` in the form `sample` was given in: a tensor, a mapping, or
+    `(args, kwargs)`."""
+    if isinstance(sample, Mapping):
+        return kwargs
+    if (isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[0], (tuple, list))
+            and isinstance(sample[1], Mapping)):
+        return (args, kwargs)
+    return args[0]
+
+
+def _samples(sample: Any, args: tuple[Any, ...], kwargs: dict[str, Any], held_out: Any,
+             loss_fn: LossFn | None) -> tuple[_Sample, list[_Sample], str]:
+    """The calibration batch and the held-out ones, and a warning to give (or "")."""
+    if held_out is not None:
+        if not isinstance(held_out, (list, tuple)) or (isinstance(held_out, tuple) and len(
+                held_out) == 2 and isinstance(held_out[1], Mapping)):
+            raise TypeError("suggest(held_out=...) is a list of samples (each as `sample` is "
+                            f"given), or [] to hold nothing out. Received: {held_out!r}"[:300])
+        calib = _Sample("calibration", args, kwargs, original=_as_given(sample, args, kwargs))
+        others = []
+        for i, extra in enumerate(held_out, 1):
+            a, k = as_call(extra)
+            a, k = map_tree((a, k), lambda t: t.float())
+            others.append(_Sample(f"held-out {i}", a, k, original=_as_given(extra, a, k)))
+        return calib, others, ""
+    size = _batch_size(args, kwargs)
+    whole = _Sample("calibration", args, kwargs, original=_as_given(sample, args, kwargs))
+    if size < 4:
+        return whole, [], (f"the sample's batch has {size} rows, too few to hold any out: the "
+                           "plan is checked on that batch alone. Pass a larger batch, or "
+                           "held_out=[batch, ...].")
+    halves = _split(args, kwargs, 2)
+    calib = _Sample("calibration", *halves[0], original=_as_given(sample, *halves[0]))
+    rest = _split(*halves[1], 2)
+    others = [_Sample(f"held-out {i}", *part, original=_as_given(sample, *part))
+              for i, part in enumerate(rest, 1)]
+    return calib, others, ""
+
+
+def _ties(model: nn.Module) -> list[set[str]]:
+    """The modules sharing each shared parameter."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(name)
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def _sizes(model: nn.Module) -> dict[str, int]:
+    """Each module's parameter elements, children and shared ones counted once."""
+    out: dict[str, int] = {}
+    for name, module in model.named_modules():
+        out[name] = sum(p.numel() for p in module.parameters())
+    return out
+
+
+def _light(model: nn.Module, sample: _Sample, loss_fn: LossFn | None) -> _Reference:
+    """The fp32 run a batch's checks compare with: output, loss, gradients, and how many
+    non-finite values each module makes (watched, as the checks' culprit needs)."""
+    names = {m: n for n, m in model.named_modules()}
+    tracker = ModuleTracker(names)
+    mode = _Watch(tracker)
+    model.zero_grad(set_to_none=True)
+    with tracker, mode:
+        torch.manual_seed(SEED)
+        output = model(*copy.deepcopy(sample.args), **copy.deepcopy(sample.kwargs))
+        loss = loss_fn(output, sample) if loss_fn is not None else None
+        if loss is not None:
+            loss.backward()  # type: ignore[no-untyped-call]
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return _Reference(_detached(output), None if loss is None else loss.detach(), grads, {}, {},
+                      {}, 0.0, mode.counts)
+
+
+def _low_policy(low: SpecLike) -> tuple[Policy, Policy]:
+    """The policy outside the islands and the islands' own."""
+    if isinstance(low, str) and low.strip().lower().split("/")[0] in FP8_RECIPES:
+        recipe = low.strip().lower()
+        policy = Policy(compute=recipe if "/" in recipe else f"{recipe}/bf16",  # type: ignore[arg-type]
+                        storage=fp32, comm=fp32)
+        assert policy.compute is not None
+        return policy, Policy(compute=policy.compute, storage=fp32, comm=fp32)
+    policy = as_policy(low, argument="low")
+    if policy.compute not in LOW_PRECISION:
+        raise ValueError(
+            "suggest(low=...) names the low-precision policy to run in: its compute must be "
+            f"fp16 or bf16, or an fp8 recipe. Received: low={low!r} "
+            f"(compute={dtype_name(policy.compute)}). Valid: 'bf16', 'fp16', 'bf16-mixed', "
+            f"'16-mixed', {', '.join(repr(r) for r in FP8_RECIPES)}.")
+    if policy.storage is None:
+        policy = dataclasses.replace(policy, storage=policy.compute)
+    return policy, ISLAND
+
+
+def _speed_islands(model: nn.Module, policy: Policy) -> list[str]:
+    """With fp8 `low`: the Linear layers whose GEMMs are too small for fp8 to gain, and every
+    module that is not a Linear under fp8 (its ops run in the high compute anyway)."""
+    from precision_annot._src.float8 import Gemm
+    from precision_annot._src.float8_checks import too_small
+
+    assert policy.gemm is not None
+    gemm = Gemm(policy.gemm)
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+            and too_small(gemm, m.out_features, m.in_features)]
+
+
+def _verify(search: _Search, calib: _Sample, others: list[_Sample], islands: Islands,
+            message: str, why: dict[str, str],
+            measure_on: Callable[[_Sample], Callable[[], list[Sensitivity]]],
+            bar: _Progress, fixed: frozenset[str], losses: LossFn | None,
+            reference: nn.Module) -> tuple[Islands, str]:
+    """Check the islands on each held-out batch at the tolerance; on a batch where they fail,
+    search again from them on that batch."""
+    low = search.policy.compute
+    assert low is not None
+    for i, batch in enumerate(others):
+        if message:
+            break
+        bar.update("held-out batches", i, len(others))
+        batch.light = _light(reference, batch, losses)
+        if search.check(islands, batch, limit=search.tolerance).passed:
+            continue
+        batch.ref = _reference(reference, copy.deepcopy(batch.args),
+                               copy.deepcopy(batch.kwargs), losses, batch)
+        islands, message, more = _choose(search, batch, islands, measure_on(batch), bar,
+                                         torch.finfo(low).max, fixed, limit=search.tolerance,
+                                         prune=False)
+        why.update(more)
+    bar.done()
+    return islands, message
+
+
 def suggest(
     model: nn.Module,
     sample: Any,
     *,
     low: SpecLike = "bf16",
-    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     tolerance: float | None = None,
+    held_out: Sequence[Any] | None = None,
+    margin: float = MARGIN,
     progress: bool | None = None,
 ) -> Suggestion:
-    """Find the fp32 islands a model needs to run in a low dtype, and verify them end to end.
+    """Find the smallest fp32 islands a model needs to run in a low dtype, verified end to end.
 
-    Everything runs in `low` except the suggested islands. The choice is verified against an
-    fp32 run of the same model on `sample`: the outputs, and with `loss_fn` the loss and the
-    gradients, stay within `tolerance`. The model's own annotations are not read: the plan is
-    built from scratch (arguments named in `keep_dtype` are still kept). The model is not
-    changed; the runs happen on copies, in eval mode.
+    Everything runs in `low` except the suggested islands. The choice is verified against fp32
+    runs of the same model: the outputs, and with `loss_fn` the loss and the gradients, stay
+    within `tolerance`. Plans are chosen on a calibration batch held to `margin` times the
+    tolerance, then verified on held-out batches at the tolerance; a plan that fails one is
+    searched again on it. The model's own annotations are not read: the plan is built from
+    scratch (arguments named in `keep_dtype` are still kept). The model is not changed; the
+    runs happen on copies, in eval mode.
+
+    An island whose output overflows the low dtype on the way out first hands its output
+    back in fp32 (`output=fp32`); only when that overflows its caller does the island move up,
+    to the nearest ancestor whose recorded output fits. Shared (tied) parameters are never
+    split between an island and the rest.
 
     Args:
         model: the model, in fp32.
         sample: a batch: a tensor, a dict of keyword arguments, or `(args, kwargs)`.
         low: the policy of everything outside the islands: "bf16" or "fp16" (compute and
-            storage in that dtype), or "bf16-mixed" / "16-mixed" (fp32 master weights).
-            (Default: "bf16")
-        loss_fn: `loss_fn(output) -> loss`; with it the backward is checked too, and for fp16
-            the gradients that would underflow at a dynamic loss scale are measured.
-            (Default: None)
-        tolerance: the largest relative error allowed, end to end; None takes 1e-2 for fp16
-            and 5e-2 for bf16. (Default: None)
+            storage in that dtype), "bf16-mixed" / "16-mixed" (fp32 master weights), or an fp8
+            recipe ("fp8", "fp8-rowwise", ...): the Linear GEMMs in fp8 over bf16, the islands
+            Linear layers kept in bf16, and Linear layers too small for fp8 to gain kept out
+            from the start. (Default: "bf16")
+        loss_fn: `loss_fn(output) -> loss`, or `loss_fn(output, sample) -> loss` where
+            `sample` is the batch that output came from (a part of `sample`, or a held-out
+            batch); with it the backward is checked too, and for fp16 the gradients that would
+            underflow at a dynamic loss scale are measured. (Default: None)
+        tolerance: the largest relative error allowed, end to end; None takes 1e-2 for fp16,
+            5e-2 for bf16 and 1e-1 for fp8. (Default: None)
+        held_out: batches to verify the plan on. None cuts `sample` along its first dimension:
+            the first half calibrates, the second half (in two) is held out; [] holds nothing
+            out. (Default: None)
+        margin: the share of the tolerance the calibration batch is held to, so that the plan
+            keeps room on batches it was not chosen on. (Default: 0.5)
         progress: show a progress bar on stderr; None shows it when stderr is a terminal.
             (Default: None)
 
@@ -713,36 +1198,32 @@ def suggest(
         A `Suggestion`. When nothing smaller than the whole model meets the tolerance, its
         `met` is False and its message says why; a `UserWarning` says so too.
 
+    Warns:
+        UserWarning: when the sample has fewer than 16 rows (tokens, samples) or too few to
+            hold any out: peaks a plan must survive may not show in it.
+
     Example:
         >>> import torch
         >>> from torch import nn
         >>> from precision_annot import suggest
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-        >>> found = suggest(model, torch.randn(4, 8), low="bf16")
+        >>> found = suggest(model, torch.randn(16, 8), low="bf16")
         >>> found.met
         True
     """
     require_module(model, "suggest")
-    policy = as_policy(low, argument="low")
-    if policy.compute not in LOW_PRECISION:
-        raise ValueError(
-            "suggest(low=...) names the low-precision policy to run in: its compute must be "
-            f"fp16 or bf16. Received: low={low!r} (compute={dtype_name(policy.compute)}). "
-            "Valid: 'bf16', 'fp16', 'bf16-mixed', '16-mixed'."
-        )
-    if policy.storage is None:
-        policy = dataclasses.replace(policy, storage=policy.compute)
+    policy, island = _low_policy(low)
     low_dtype = policy.compute
     assert low_dtype is not None
     if tolerance is None:
-        tolerance = DEFAULT_TOLERANCE[low_dtype]
-    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not (
-            0 < tolerance < math.inf):
-        raise ValueError(f"suggest(tolerance=...) must be a number above 0. Received: "
-                         f"tolerance={tolerance!r}")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"suggest(loss_fn=...) must be callable: output -> loss. Received: "
-                        f"loss_fn={loss_fn!r}")
+        tolerance = 1e-1 if policy.gemm else DEFAULT_TOLERANCE[low_dtype]
+    for value, what in ((tolerance, "tolerance"), (margin, "margin")):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+                0 < value < math.inf) or (what == "margin" and value > 1):
+            raise ValueError(f"suggest({what}=...) must be a number above 0"
+                             f"{' and at most 1' if what == 'margin' else ''}. Received: "
+                             f"{what}={value!r}")
+    losses = _loss_fn(loss_fn)
     show = sys.stderr.isatty() if progress is None else bool(progress)
     bar = _Progress(show)
     start = time.perf_counter()
@@ -750,26 +1231,98 @@ def suggest(
     _require_real_data(model, (args, kwargs))
     reference = _fp32_copy(model)
     structure = resolve(reference)
+    if policy.gemm:
+        from precision_annot._src.float8 import import_torchao
+
+        import_torchao("torchao.float8", f"suggest(low={low!r})")
     with torch.random.fork_rng():
         args, kwargs = map_tree((args, kwargs), lambda t: t.float())  # the fp32 reference's
-        ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), loss_fn)
-        _require_outputs(ref.output, loss_fn)
+        calib, others, small = _samples(sample, args, kwargs, held_out, losses)
+        try:
+            ref = _reference(reference, copy.deepcopy(calib.args),
+                             copy.deepcopy(calib.kwargs), losses, calib)
+        except Exception:
+            if losses is None or held_out is not None or not others:
+                raise
+            # the loss closes over the whole batch: check on it alone
+            calib = _Sample("calibration", args, kwargs,
+                            original=_as_given(sample, args, kwargs))
+            others = []
+            small = ("loss_fn(output) does not take a part of the sample (it closes over the "
+                     "whole batch), so nothing is held out: pass loss_fn(output, sample), or "
+                     "held_out=[batch, ...].")
+            ref = _reference(reference, copy.deepcopy(args), copy.deepcopy(kwargs), losses,
+                             calib)
+        _require_outputs(ref.output, losses)
         _require_finite_reference(ref)
-        _require_deterministic(reference, args, kwargs, ref, float(tolerance))
+        _require_deterministic(reference, calib.args, calib.kwargs, ref, float(tolerance))
+        rows = _rows(calib.args, calib.kwargs)
+        if rows < MIN_ROWS:
+            small = " ".join(filter(None, [small, (
+                f"The calibration batch holds {rows} rows (tokens, samples): too few to show "
+                "the peaks a plan must survive. Pass a larger sample.")]))
+        if small:
+            warnings.warn(f"suggest: {small}", UserWarning, stacklevel=2)
+        calib.ref, calib.light = ref, ref
         scale = 1.0
         if low_dtype == fp16 and ref.backward_peak > 0:
             scale = 2.0 ** max(0, min(24, math.floor(math.log2(65504 / ref.backward_peak))))
-        table = _measure(reference, ref, structure, policy, scale, bar)
+        search = _Search(reference, structure, policy, island, losses, scale, float(tolerance),
+                         float(margin), _ties(reference), _sizes(reference))
+        speed = _speed_islands(reference, policy) if policy.gemm else []
+        eligible = None if not policy.gemm else {
+            n for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
+        tables: dict[str, list[Sensitivity]] = {}
 
-        def check(islands: list[str]) -> Check:
-            return _check(reference, ref, structure, policy, islands, args, kwargs, loss_fn,
-                          scale, float(tolerance))
+        def measure_on(batch: _Sample) -> Callable[[], list[Sensitivity]]:
+            def measure() -> list[Sensitivity]:
+                if batch.label not in tables:
+                    assert batch.ref is not None
+                    tables[batch.label] = _measure(reference, batch.ref, structure, policy,
+                                                   scale, bar, eligible)
+                return tables[batch.label]
+            return measure
 
-        islands, checks, met, message = _choose(table, structure, check, bar)
-    final = next((c for c in reversed(checks) if c.islands == tuple(islands)), checks[-1])
-    plan = _plan(resolve(model), policy, islands, dict(model.named_modules()))
+        islands, message, why = _choose(search, calib, dict.fromkeys(speed, False),
+                                        measure_on(calib), bar, torch.finfo(low_dtype).max,
+                                        frozenset(speed))
+        islands, message = _verify(search, calib, others, islands, message, why, measure_on,
+                                   bar, frozenset(speed), losses, reference)
+        islands = search.held_together(islands)
+        held = [search.check(islands, b, limit=float(tolerance)) for b in others if b.light]
+        final = search.check(islands, calib, limit=float(tolerance) * float(margin))
+    met = not message and final.passed and all(c.passed for c in held)
+    total = search.sizes.get("", 0)
+    if met and total and search.fp32_params(islands) >= total and islands:
+        met = False
+        message = ("No plan short of the whole model in fp32 meets the tolerance: the plan "
+                   "that passes keeps every parameter in fp32 ("
+                   + ", ".join(repr(i) for i in islands) + "), since each island's output "
+                   "overflows the low dtype in its caller.")
+    if not met and not message:
+        failing = next(c for c in [final, *held] if not c.passed)
+        message = (f"The plan does not meet the tolerance on the {failing.sample} batch ("
+                   + ", ".join(f"{k} {v:.2e}" for k, v in failing.errors().items()) + ").")
+    if not met:
+        best = _best(search, calib.label)
+        if best is not None and not message.startswith("No plan"):
+            islands = {i: i in best.outputs for i in best.islands}
+    forced = [i for i, reason in why.items() if reason == "gradients" and i in islands]
+    if met:
+        count = len([i for i in islands if i not in speed])
+        message = (f"The plan meets the tolerance with {count} island"
+                   f"{'' if count == 1 else 's'}, on the calibration batch (at {margin:g} of "
+                   f"the tolerance) and on {len(held)} held-out batch"
+                   f"{'' if len(held) == 1 else 'es'}.")
+        if forced:
+            message += (f" Gradients alone forced {', '.join(repr(f) for f in forced)}: the "
+                         "outputs and the loss were within the tolerance without "
+                         f"{'it' if len(forced) == 1 else 'them'}.")
+    plan = search.plan(islands, dict(model.named_modules()), resolve(model))
     if not met:
         warnings.warn(f"suggest: {message}", UserWarning, stacklevel=2)
-    return Suggestion(islands=islands, plan=plan, table=table, checks=checks, final=final,
-                      met=met, low=policy, tolerance=float(tolerance),
-                      seconds=time.perf_counter() - start, message=message)
+    return Suggestion(islands=islands, plan=plan, table=tables.get(calib.label, []),
+                      checks=list(search.path), final=final, held_out=held, met=met, low=policy,
+                      tolerance=float(tolerance), margin=float(margin),
+                      seconds=time.perf_counter() - start, message=message, reasons=why,
+                      kept_for_speed=speed, island=island)

@@ -102,7 +102,10 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
             (Default: None)
 
     Returns:
-        `[(selector, "fp32"), ...]`, for `annotate(model, rules(model))`: one per entry that
+        `[(selector, "fp32,output=fp32"), ...]`, for `annotate(model, rules(model))`: kept
+        modules compute and store in fp32 and hand their output back in fp32, as they do in
+        transformers, where the fp32 output flows on (handed back in fp16 instead, T5's
+        overflowing `wo` output becomes inf). One rule per entry that
         selects a module of this model (entries for parts this configuration does not build,
         such as the experts of a dense variant, are left out). Empty when the model lists
         nothing.
@@ -127,7 +130,7 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
     for selector in selectors:
         selected = [n for n, m in modules if selector(n, m)]
         if selected:
-            chosen.append((selector, "fp32"))
+            chosen.append((selector, KEPT))
             kept += selected
     missed = [t for n, m in modules for t in _tensor_names(n, m, recurse=False)
               if any(s.matches(t) for s in selectors)
@@ -144,6 +147,11 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
             f"dtype.{fix}", UserWarning, stacklevel=2)
     return chosen
 
+
+#: what `rules` gives a kept module: fp32, handing its output back in fp32, as transformers
+#: does: it runs a kept module on fp32 weights and never casts its output back, so the fp32
+#: output flows on (T5's `wo` feeds a residual sum that type promotion keeps in fp32)
+KEPT = "fp32,output=fp32"
 
 _ROUTER_WORDS = frozenset({"gate", "router", "shared_expert_gate", "gating", "gate_layer"})
 

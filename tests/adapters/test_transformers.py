@@ -97,7 +97,8 @@ def inputs(kind: str) -> dict[str, torch.Tensor]:
 
 def hand_written(model: nn.Module, plan: PrecisionPlan) -> list[Any]:
     """The plan's computation written by hand: each tensor cast to its storage, and plain
-    forward hooks that cast an island's inputs to its compute dtype and its outputs back."""
+    forward hooks that cast an island's inputs to its compute dtype and its outputs back (to
+    its `output` dtype where it sets one, as the kept modules of `rules` do)."""
     def cast(obj: Any, dtype: torch.dtype) -> Any:
         if isinstance(obj, torch.Tensor):
             return obj.to(dtype) if obj.is_floating_point() else obj
@@ -116,7 +117,7 @@ def hand_written(model: nn.Module, plan: PrecisionPlan) -> list[Any]:
                 t.data = t.data.to(policy.storage)
         if name and plan[name].boundary:
             compute = policy.compute
-            back = plan.context(name).policy.compute  # type: ignore[union-attr]
+            back = policy.output or plan.context(name).policy.compute  # type: ignore[union-attr]
             handles.append(module.register_forward_pre_hook(
                 lambda m, a, k, c=compute: (cast(a, c), cast(k, c)), with_kwargs=True))
             handles.append(module.register_forward_hook(lambda m, a, out, b=back: cast(out, b)))
@@ -512,3 +513,32 @@ def test_trainer_bf16_full_eval_moving_the_model_is_said(tmp_path: Path) -> None
     said = [w for w in caught if "away from the plan" in str(w.message)]
     assert len(said) == 1 and "planned fp32" in str(said[0].message)
     assert model.model.norm.weight.dtype == bf16  # what Trainer did; apply() restores it
+
+
+def test_rules_hand_t5s_kept_output_on_in_fp32_as_transformers_does() -> None:
+    """transformers runs T5's kept `wo` on fp32 weights and never casts its output back: the
+    fp32 output flows into the residual sum. Handed back in fp16, an output past 65504 is
+    inf; with the rules' output=fp32 the model stays finite in 16-mixed and in fp16."""
+    transformers = pytest.importorskip("transformers")
+    from precision_annot import annotate
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                   num_heads=4, decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in t5.named_parameters():
+            if name.endswith("wo.weight"):
+                p.mul_(2.0 ** 12)  # wo's output past fp16's range
+            elif name.endswith("wi.weight"):
+                p.mul_(2.0 ** 4)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids[:, :6].contiguous()}
+    assert torch.isfinite(t5(**batch).logits).all()
+    rules = hf.rules(t5)
+    assert [spec for _, spec in rules] == ["fp32,output=fp32"]
+    for low in ("16-mixed", "fp16"):
+        kept = annotate(copy.deepcopy(t5), rules)
+        assert torch.isfinite(apply(kept, default=low)(**batch).logits).all(), low
+        handed_back = annotate(copy.deepcopy(t5), [(sel, "fp32") for sel, _ in rules])
+        assert not torch.isfinite(apply(handed_back, default=low)(**batch).logits).all(), low
