@@ -18,7 +18,8 @@ from precision_annot._src.suggestion import Suggestion, suggest
 def render(out: Path) -> Suggestion:
     torch.manual_seed(0)
     tokens = _batches(1)[0]
-    found = suggest(TinyTransformer(), tokens, low="16-mixed", loss_fn=next_token_loss)
+    found = suggest(TinyTransformer(), tokens, low="16-mixed", loss_fn=next_token_loss,
+                    measure=True)
     found.plot(out)
     return found
 

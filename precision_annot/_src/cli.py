@@ -163,7 +163,8 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         if not callable(loss_fn):
             raise CLIError(f"--loss {args.loss} must name a callable: output -> loss.")
     try:
-        found = suggest(model, sample, low=args.low, loss_fn=loss_fn, tolerance=args.tolerance)
+        found = suggest(model, sample, low=args.low, loss_fn=loss_fn, tolerance=args.tolerance,
+                        measure=args.plot is not None)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from e
     print(found.to_json() if args.json else found)
