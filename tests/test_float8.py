@@ -243,6 +243,7 @@ def test_applied_model_equals_torchao_by_hand_with_bf16_compute() -> None:
                                           lambda x: theirs(x)))
 
 
+@pytest.mark.slow  # 11 s: inductor compiles both models; the eager test above runs in make test
 def test_applied_model_equals_torchao_by_hand_under_torch_compile() -> None:
     ours = pa.apply(fp8_but_head(net(), "fp8"), default="fp32")
     theirs = by_hand(net(), "fp8", {"up", "down"})

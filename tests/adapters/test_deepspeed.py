@@ -323,7 +323,7 @@ def test_check_a_static_fp16_loss_scale_as_on_a_gpu_machine(
     assert "deepspeed-static-loss-scale" not in codes_of(plan, dsa.to_config(plan, BASE))
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_fp32_island_trains_under_zero_0_to_3(ranks: int, tmp_path: Path) -> None:
     results = run("train", STAGES, ranks, tmp_path)
     for stage in STAGES:
@@ -339,7 +339,7 @@ def test_fp32_island_trains_under_zero_0_to_3(ranks: int, tmp_path: Path) -> Non
                 assert reduced == {("bf16", LINEAR), ("fp32", NORM)}, results[stage, 0]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_fp16_trains_with_dynamic_loss_scaling_and_skips_overflow(ranks: int,
                                                                     tmp_path: Path) -> None:
     results = run("fp16", [0], ranks, tmp_path)
