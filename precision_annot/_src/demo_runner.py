@@ -100,7 +100,7 @@ def run_demo(*, fast: bool = False, out: str | Path = "demo-output") -> int:
     steps = 30 if fast else 120
 
     print("precision_annot demo: one precision declaration, every backend.\n")
-    print("1. A small transformer, annotated three ways (precision_annot/_demo.py):")
+    print("1. A small transformer, annotated three ways (precision_annot/_src/demo_model.py):")
     print("   @precision(fp32) on the Norm class             -> every norm computes and")
     print("                                                     stores in fp32")
     print("   with precision_scope(compute=bf16, storage=fp32,")
