@@ -83,6 +83,27 @@ def test_fp8_is_refused_outside_compute_with_the_valid_names() -> None:
         Policy(gemm="fp4")
 
 
+@pytest.mark.parametrize("where", ["rule", "precision", "default"])
+def test_a_bare_fp8_name_or_a_float8_dtype_says_to_write_compute(where: str) -> None:
+    """fp8 is a GEMM recipe, not a storage dtype: 'fp8' alone (which would set storage too)
+    and torch.float8_e4m3fn are refused with the spelling that works."""
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"(?i)'fp8-rowwise': fp8 is a compute dtype.*Write 'compute=fp8-rowwise'.*"
+                                         r"'bf16,compute=fp8-rowwise'"):
+        if where == "rule":
+            pa.annotate(model, {nn.Linear: "fp8-rowwise"})
+        elif where == "precision":
+            pa.precision("fp8-rowwise")
+        else:
+            pa.apply(model, default="FP8-Rowwise")
+    with pytest.raises(ValueError, match=r"compute=torch.float8_e4m3fn: fp8 is written as a "
+                                         r"compute recipe.*'fp8-rowwise'"):
+        pa.precision(compute=torch.float8_e4m3fn)
+    assert type(model[0]) is nn.Linear  # nothing was applied
+    with pytest.raises(ValueError, match=r"'compute=fp8' and the other fp8 recipes"):
+        Policy.parse("fp9")
+
+
 def test_compute_and_the_recipe_are_one_slot() -> None:
     fp8 = Policy.parse("compute=fp8-rowwise/bf16")
     assert fp8.merge(Policy(compute=torch.float32)) == Policy(compute=torch.float32)

@@ -84,6 +84,13 @@ def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
     if isinstance(value, torch.dtype):
         if value in SHORT:
             return value
+        if value.is_floating_point and value.itemsize == 1:  # float8_e4m3fn, float8_e5m2, ...
+            raise ValueError(
+                f"{field}={value!r}: fp8 is written as a compute recipe for GEMMs, "
+                f"compute='fp8' (tensorwise scaling), 'fp8-rowwise', 'fp8-rowwise-gw-hp' or "
+                f"'mxfp8', with storage and outputs in a floating dtype among fp64, fp32, "
+                f"fp16, bf16; comm takes torch.float8_e4m3fn for weights all-gathered in fp8."
+            )
         raise ValueError(
             f"{field} must be a floating dtype among fp64, fp32, fp16, bf16. "
             f"Received: {field}={value!r}"

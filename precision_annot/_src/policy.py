@@ -120,6 +120,13 @@ class Policy:
                     f"'compute=bf16,storage=fp32', after at most one dtype or preset "
                     f"('fp32,output=fp32')."
                 )
+            if lowered in FP8_RECIPES:  # fp8 is a GEMM recipe, never storage or output
+                raise ValueError(
+                    f"Unknown policy {text!r}: fp8 is a compute dtype for GEMMs. Write "
+                    f"'compute={lowered}' (storage, comm and output are then inherited, "
+                    f"e.g. bf16 around the fp8 GEMMs) or a base first, 'bf16,compute={lowered}'."
+                    f" Valid fp8 computes: {', '.join(FP8_RECIPES)}."
+                )
             try:
                 dtype = to_dtype(stripped, field="spec")
             except ValueError as e:
@@ -127,7 +134,8 @@ class Policy:
                 raise ValueError(
                     f"Unknown policy {text!r}. Valid: a dtype name ({names}), "
                     f"a preset ({', '.join(repr(p) for p in PRESETS)}), or key=dtype pairs "
-                    f"with keys {', '.join(FIELDS)}."
+                    f"with keys {', '.join(FIELDS)} ('compute=fp8' and the other fp8 "
+                    f"recipes: {', '.join(FP8_RECIPES)})."
                 ) from e
             return cls(compute=dtype, storage=dtype, comm=dtype)
         values: dict[str, object] = {}
