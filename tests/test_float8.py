@@ -88,7 +88,8 @@ def test_a_bare_fp8_name_or_a_float8_dtype_says_to_write_compute(where: str) -> 
     """fp8 is a GEMM recipe, not a storage dtype: 'fp8' alone (which would set storage too)
     and torch.float8_e4m3fn are refused with the spelling that works."""
     model = nn.Sequential(nn.Linear(16, 16))
-    with pytest.raises(ValueError, match=r"(?i)'fp8-rowwise': fp8 is a compute dtype.*Write 'compute=fp8-rowwise'.*"
+    with pytest.raises(ValueError, match=r"(?i)'fp8-rowwise': fp8 is a compute dtype.*"
+                                         r"Write 'compute=fp8-rowwise'.*"
                                          r"'bf16,compute=fp8-rowwise'"):
         if where == "rule":
             pa.annotate(model, {nn.Linear: "fp8-rowwise"})
