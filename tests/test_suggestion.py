@@ -524,6 +524,21 @@ def test_fp8_low_keeps_the_linear_an_outlier_breaks_and_the_small_ones_in_bf16()
     assert found.rules == [("5", "compute=bf16"), ("3", "compute=bf16")]
 
 
+def test_fp8_low_where_no_linear_gains_says_so() -> None:
+    """Every Linear too small for fp8 (or none at all): the plan runs no GEMM in fp8, which
+    a user asking for fp8 must be told."""
+    pytest.importorskip("torchao")
+    small = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    with pytest.warns(UserWarning, match=r"low='fp8-rowwise' but no Linear layer here gains "
+                                         r"from fp8: all 2 are too small.*runs no GEMM in fp8"):
+        found = suggest(small, torch.randn(64, 16), low="fp8-rowwise")
+    assert found.met and found.kept_for_speed == ["0", "2"]
+    apply(small, found.plan)
+    assert all(type(m) is nn.Linear for m in small.modules() if isinstance(m, nn.Linear))
+    with pytest.warns(UserWarning, match="the model has none, so nothing would run in fp8"):
+        suggest(nn.Sequential(nn.LayerNorm(16), nn.GELU()), torch.randn(64, 16), low="fp8")
+
+
 def test_held_out_batches_given_and_none() -> None:
     torch.manual_seed(0)
     model = Net(Gained())

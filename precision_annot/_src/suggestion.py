@@ -1392,6 +1392,15 @@ def suggest(
         speed = _speed_islands(reference, policy) if policy.gemm else []
         eligible = None if not policy.gemm else {
             n for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
+        if eligible is not None and len(speed) == len(eligible):
+            warnings.warn(
+                f"suggest: low={low!r} but no Linear layer here gains from fp8: "
+                + (f"all {len(speed)} are too small (torchao's thresholds, see check's "
+                   "fp8-small-gemm), so the plan keeps them in "
+                   f"{dtype_name(low_dtype)} and runs no GEMM in fp8."
+                   if speed else "the model has none, so nothing would run in fp8.")
+                + " low='bf16-mixed' gives the same plan without fp8 in its name.",
+                UserWarning, stacklevel=2)
         tables: dict[str, list[Sensitivity]] = {}
 
         def measure_on(batch: _Sample) -> Callable[[], list[Sensitivity]]:
