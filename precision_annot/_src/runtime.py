@@ -56,8 +56,10 @@ class AppliedState:
         self.drift_warned = True
         warn(
             f"{how} changed tensors of an applied model away from the plan (first: {where!r} "
-            f"is {dtype_name(now)}, planned {dtype_name(planned)}). Its boundaries still cast, "
-            "but these tensors now compute and are updated in the new dtype. Call "
+            f"is {dtype_name(now)}, planned {dtype_name(planned)}). Its boundaries still cast "
+            "their inputs as planned, so these tensors now compute and are updated in the new "
+            "dtype, and an op that needs its input and weight in one dtype (LayerNorm, Linear) "
+            "raises a DriftError. Call "
             "precision_annot.apply(model, plan) again to restore the plan (or "
             "precision_annot.remove(model) first to run without it).")
 
