@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import subprocess
 import sys
 from collections.abc import Callable
@@ -316,6 +317,64 @@ def test_mxfp8_runs_emulated_here_and_audit_sees_it() -> None:
         out.float().sum().backward()
     assert out.dtype == torch.bfloat16
     assert report.divergences == [], report
+
+
+def test_mxfp8_under_bf16_mixed_runs_torchaos_gemm_on_bf16_copies_of_the_masters() -> None:
+    """0.3.0 ran torchao's MXFP8Linear on fp32 master weights and a bf16 input under autocast:
+    "expected m1 and m2 to have the same dtype". Now it runs as autocast runs nn.Linear:
+    both cast to bf16, the gradient back in the master's fp32."""
+    from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64))
+    pa.annotate(model, {nn.Linear: "compute=mxfp8"})
+    pa.apply(model, default="bf16-mixed")
+    x = torch.randn(2, 32, 64)
+    with pa.audit(model) as report:
+        out = model(x)
+        out.float().pow(2).sum().backward()
+    assert report.divergences == []  # mxfp8 GEMMs, under the planned autocast
+
+    theirs = MXFP8Linear(64, 64, kernel_preference=KernelPreference.EMULATED)
+    with torch.no_grad():
+        theirs.weight = nn.Parameter(model[0].weight.detach().to(torch.bfloat16))
+        theirs.bias = nn.Parameter(model[0].bias.detach().to(torch.bfloat16))
+    expected = theirs(x.to(torch.bfloat16))
+    expected.float().pow(2).sum().backward()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert model[0].weight.dtype == model[0].weight.grad.dtype == torch.float32
+    assert theirs.weight.grad is not None
+    assert torch.equal(model[0].weight.grad, theirs.weight.grad.float())
+
+
+def test_mxfp8_refuses_fp16_and_names_a_batch_that_cannot_be_cut_into_blocks() -> None:
+    model = nn.Sequential(nn.Linear(64, 64))
+    pa.annotate(model, {nn.Linear: "compute=mxfp8"})
+    for default in ("16-mixed", "fp16"):
+        with pytest.raises(ValueError, match=r"compute=mxfp8/fp16 on 1 Linear layer\(s\), e\.g\. "
+                                             r"'0': torchao's MX formats quantize from bf16 or "
+                                             r"fp32 only.*compute=fp8 or fp8-rowwise"):
+            pa.resolve(model, default=default)
+    plan = pa.resolve(model, default="bf16")
+    data = json.loads(plan.to_json())
+    data["modules"][1]["policy"] = "compute=mxfp8/fp16,storage=bf16,comm=bf16"
+    with pytest.raises(ValueError, match=r"compute=mxfp8/fp16"):  # a plan file, too
+        pa.apply(model, PrecisionPlan.from_json(json.dumps(data)))
+    assert type(model[0]) is nn.Linear
+
+    pa.apply(model, plan)
+    with pytest.raises(ValueError, match=r"MXFP8Linear\(64, 64\): mxfp8 trains on inputs whose "
+                                         r"rows.*multiple of 32.*this input has 12 \(shape "
+                                         r"\(3, 4, 64\)\)"):
+        model(torch.randn(3, 4, 64))
+    with torch.no_grad():  # inference cuts the input along its last dimension only
+        assert model(torch.randn(3, 4, 64)).shape == (3, 4, 64)
+    restored = pickle.loads(pickle.dumps(model))  # the class is found by name
+    assert type(restored[0]) is type(model[0])
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        assert torch.equal(restored(x), model(x))
 
 
 def test_without_torchao_the_core_imports_and_fp8_says_how_to_install() -> None:

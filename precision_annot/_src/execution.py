@@ -167,7 +167,7 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
 
 def fp8_gemms(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[str, Gemm]:
     """The Linear layers whose plan runs their GEMMs in fp8."""
-    return {name: Gemm(entry.policy.gemm, entry.policy.comm == FP8)
+    return {name: Gemm(entry.policy.gemm, entry.policy.comm == FP8, entry.policy.compute)
             for name, entry in plan.items()
             if entry.policy.gemm is not None and isinstance(named[name], nn.Linear)}
 

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from precision_annot._src.dtypes import FP8_RECIPES
+from precision_annot._src.dtypes import FP8_RECIPES, dtype_name
 
-__all__ = ["Converted", "Gemm", "available", "build", "commit", "config", "import_torchao",
+__all__ = ["MX_BLOCK", "MX_HIGH", "Converted", "Gemm", "available", "build", "commit", "config",
+           "import_torchao", "mx_compute_error",
            "install_hint", "is_fp8_tensor", "plain_class", "prepare_compile", "revert",
            "validate"]
 
@@ -38,10 +39,12 @@ class Gemm:
     Attributes:
         recipe: the recipe's name in a policy ("fp8", "fp8-rowwise", ...).
         all_gather: its weight is all-gathered in fp8 by FSDP2 (its comm is fp8).
+        compute: the dtype its other ops run in (the "bf16" of "fp8-rowwise/bf16"), if set.
     """
 
     recipe: str
     all_gather: bool = False
+    compute: torch.dtype | None = None
 
     @property
     def torchao_recipe(self) -> str:
@@ -114,6 +117,20 @@ def _fp8_class(fp8: type[nn.Module], original: type[nn.Module]) -> type[nn.Modul
     return _CLASSES[key]
 
 
+# torchao's MX formats quantize from these dtypes only ("torch.float16 is not supported yet")
+MX_HIGH = (torch.bfloat16, torch.float32)
+MX_BLOCK = 32  # MX scales blocks of 32 elements along every GEMM's inner dimension
+
+
+def mx_compute_error(names: list[str], compute: torch.dtype) -> str:
+    """The message for mxfp8 planned over a compute dtype torchao's MX formats cannot take."""
+    return (f"compute=mxfp8/{dtype_name(compute)} on {len(names)} Linear "
+            f"layer(s), e.g. {names[0] or '(root)'!r}: torchao's MX formats quantize from bf16 "
+            "or fp32 only (fp16 is refused when the first GEMM runs). Run mxfp8 over bf16 "
+            "(default 'bf16-mixed' or 'bf16'), or use compute=fp8 or fp8-rowwise, which take "
+            f"fp16. Modules: {names[:8]}")
+
+
 def validate(cls: type[nn.Module], gemm: Gemm, name: str) -> None:
     """Raise, before anything changes, when a module of class `cls` cannot run `gemm`."""
     if not issubclass(cls, nn.Linear):
@@ -131,6 +148,8 @@ def validate(cls: type[nn.Module], gemm: Gemm, name: str) -> None:
                          "for weights scaled per tensor only. Use compute=fp8 with comm=fp8, "
                          f"or keep compute={gemm.recipe} with another comm (bf16).")
     if gemm.recipe == "mxfp8":
+        if gemm.compute is not None and gemm.compute not in MX_HIGH:
+            raise ValueError(mx_compute_error([name], gemm.compute))
         import_torchao("torchao.prototype.moe_training.mxfp8_linear", where)
     else:
         config(gemm, where)
@@ -142,13 +161,13 @@ def build(module: nn.Module, gemm: Gemm, name: str) -> nn.Module:
     validate(type(module), gemm, name)
     where = f"Module {name!r} (compute={gemm.recipe})"
     if gemm.recipe == "mxfp8":
-        mx = import_torchao("torchao.prototype.moe_training.mxfp8_linear", where)
+        import_torchao("torchao.prototype.moe_training.mxfp8_linear", where)
         with torch.device("meta"):
-            new = mx.MXFP8Linear(module.in_features, module.out_features, bias=False,
-                                 kernel_preference=_mx_kernel(module))
+            new = _mx_class()(module.in_features, module.out_features, bias=False,
+                              kernel_preference=_mx_kernel(module))
         new.weight = module.weight
         new.bias = module.bias
-        return new  # type: ignore[no-any-return]
+        return new
     linear = import_torchao("torchao.float8.float8_linear", where)
     return linear.Float8Linear.from_float(module, config=config(gemm, where))  # type: ignore[no-any-return]
 
@@ -197,6 +216,62 @@ def revert(module: nn.Module, converted: Converted) -> None:
             converted.weight.grad = getattr(grad, "_tensor", grad)
         module._parameters["weight"] = converted.weight
     module.__class__ = converted.cls
+
+
+_MX: list[type[nn.Module]] = []
+
+
+def _mx_class() -> type[nn.Module]:
+    """torchao's `MXFP8Linear`, run as `nn.Linear` runs under autocast.
+
+    torchao's module quantizes its input and weight in the dtypes it is given, so fp32 master
+    weights under bf16 autocast (the usual mixed precision) fail in its GEMM ("expected m1 and
+    m2 to have the same dtype"). Under autocast this class casts both to the autocast dtype
+    first, as autocast does for `nn.Linear` and as FSDP2's `param_dtype` does for torchao's
+    own training recipe; outside autocast it is torchao's forward unchanged. It also says which
+    module and why when a batch's row count cannot be cut into MX blocks for the backward
+    GEMMs, where torchao's assertion would name only a shape. Defined on first use (torchao
+    is optional) and reachable as `precision_annot._src.float8.MXFP8Linear`, so a converted
+    model pickles.
+    """
+    if _MX:
+        return _MX[0]
+    mx = import_torchao("torchao.prototype.moe_training.mxfp8_linear", "mxfp8")
+    base: type[nn.Module] = mx.MXFP8Linear
+    to_mx_mm = mx._to_mxfp8_then_scaled_mm
+
+    def forward(self: Any, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        rows = input.numel() // max(input.shape[-1], 1) if input.dim() else 1
+        if rows % MX_BLOCK and torch.is_grad_enabled() and (
+                input.requires_grad or weight.requires_grad):
+            raise ValueError(
+                f"MXFP8Linear({self.in_features}, {self.out_features}): mxfp8 trains on "
+                f"inputs whose rows (tokens: every dimension but the last) are a multiple of "
+                f"{MX_BLOCK}, because the weight gradient's GEMM is cut into MX blocks along "
+                f"them; this input has {rows} (shape {tuple(input.shape)}). Pad the batch, or "
+                "keep this layer out of mxfp8 (compute=bf16).")
+        device = input.device.type
+        if not torch.is_autocast_enabled(device):
+            return base.forward(self, input)  # type: ignore[no-any-return]
+        dtype = torch.get_autocast_dtype(device)
+        output: torch.Tensor = to_mx_mm(
+            input.to(dtype), weight.to(dtype), kernel_preference=self.kernel_preference,
+            scale_calculation_mode=self.scale_calculation_mode, wgrad_with_hp=self.wgrad_with_hp)
+        if self.bias is not None:
+            output = output + self.bias.to(output.dtype)
+        return output
+
+    cls = type("MXFP8Linear", (base,), {"forward": forward, "__module__": __name__,
+                                          "__doc__": _mx_class.__doc__})
+    _MX.append(cls)
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MXFP8Linear":  # how pickle finds the class of a converted module
+        return _mx_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def prepare_compile() -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.dtypes import dtype_name
-from precision_annot._src.float8 import plain_class
+from precision_annot._src.float8 import MX_HIGH, mx_compute_error, plain_class
 from precision_annot._src.guards import paused_gc, require_module, warn
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, Source, parent_name
 from precision_annot._src.policy import (
@@ -185,7 +185,15 @@ def _fields(module: nn.Module, parent: _Path | None, fallback: Policy | None
 def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str, nn.Module]
                               ) -> None:
     """An fp8 recipe set on a module itself (by an instance, class or rule annotation) must
-    reach a Linear layer: fp8 runs the GEMMs of nn.Linear layers, and nothing else."""
+    reach a Linear layer: fp8 runs the GEMMs of nn.Linear layers, and nothing else. mxfp8
+    must run over a dtype torchao's MX formats take."""
+    mx_bad = [n for n, e in entries.items() if e.policy.gemm == "mxfp8" and isinstance(
+        modules[n], nn.Linear) and e.policy.compute is not None and e.policy.compute not in
+        MX_HIGH]
+    if mx_bad:
+        compute = entries[mx_bad[0]].policy.compute
+        assert compute is not None
+        raise ValueError(mx_compute_error(mx_bad, compute))
     explicit = [n for n, e in entries.items() if e.sources.get("gemm") in
                 ("instance", "class", "rule")]
     if not explicit:
