@@ -130,7 +130,8 @@ def check(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+@pytest.mark.parametrize("strategy", [
+    "ddp", pytest.param("model_parallel", marks=pytest.mark.slow)])  # FSDP2: test_fsdp.py
 def test_two_process_strategies_train_with_planned_dtypes(strategy: str, tmp_path: Path) -> None:
     check(run(strategy, tmp_path))
 
