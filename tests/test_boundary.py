@@ -88,6 +88,32 @@ def test_mixed_precision_runs_under_autocast_and_the_island_is_not_downcast(
     assert_close(y, hand, **tol(low))
 
 
+@pytest.mark.parametrize("island_first", [True, False])
+def test_a_weight_tied_across_two_autocast_dtypes_gets_each_regions_own_cast(
+        island_first: bool) -> None:
+    """Found by the property test's 3000 examples: PyTorch's autocast caches a weight's cast
+    by the weight alone, so a bf16 island and the fp16 model around it shared one copy of a
+    tied weight: "self and mat2 must have the same dtype, Half and BFloat16"."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    second.weight = first.weight
+    precision(Policy(compute=bf16))(first if island_first else second)
+    model = nn.Sequential(first, second)
+    apply(model, default=Policy(compute=fp16))
+    x = torch.randn(3, 8)
+    out = model(x)
+
+    def linear(h: torch.Tensor, layer: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
+        return nn.functional.linear(h.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype))
+
+    island, other = (bf16, fp16) if island_first else (fp16, bf16)
+    h = linear(x, first, island).to(fp16)  # an island hands its output back in fp16
+    expected = linear(h, second, other).to(fp16)
+    assert out.dtype == fp16 and torch.equal(out, expected)
+    out.float().sum().backward()
+    assert first.weight.grad is not None and first.weight.grad.dtype == torch.float32
+
+
 def test_compute_wider_than_storage_upcasts_parameters() -> None:
     seen: list[torch.dtype] = []
 

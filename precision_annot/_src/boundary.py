@@ -68,7 +68,20 @@ def autocast_context(
         return torch.autocast(device_type, enabled=False) if enabled else None
     if enabled and torch.get_autocast_dtype(device_type) == dtype:
         return None
+    if not torch.compiler.is_compiling() and _inside_autocast():
+        # PyTorch caches a weight's autocast copy by the weight alone, not by the dtype: a
+        # weight shared with an enclosing region of another dtype (a tied weight used by a
+        # bf16 island in an fp16 model) would get the other region's copy ("expected m1 and
+        # m2 to have the same dtype"). A region nested in another casts without the cache.
+        return torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=False)
     return torch.autocast(device_type, dtype=dtype, enabled=True)
+
+
+def _inside_autocast() -> bool:
+    """Inside an autocast context (enabled or not), whose cache outlives a nested one."""
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return depth > 1
 
 
 def device_type_of(
