@@ -47,6 +47,7 @@ def test_fsdp2_all_gathers_fp8_weights_and_trains_like_one_process(tmp_path: Pat
         assert r["worst"] < 1e-3, r["worst"]  # the same as one process on both ranks' data
 
 
+@pytest.mark.slow  # 7 s, 2 ranks: make test keeps FSDP2 and DeepSpeed with fp8
 def test_ddp_reduces_fp8_comm_layers_in_their_own_dtype_as_check_warns(tmp_path: Path) -> None:
     ranks = _ranks("ddp", tmp_path)
     for r in ranks:
@@ -73,6 +74,7 @@ def test_deepspeed_trains_fp8_gemms_and_check_refuses_fp8_comm(tmp_path: Path) -
         assert run["losses"][-1] < run["losses"][0]
 
 
+@pytest.mark.slow  # 6.5 s: make test keeps FSDP2 and DeepSpeed with fp8
 def test_fsdp1_runs_fp8_gemms_with_fp8_comm_on_one_rank() -> None:
     code = """
 import os, torch, torch.nn as nn, torch.distributed as dist
