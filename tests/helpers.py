@@ -143,3 +143,22 @@ def encdec() -> nn.Module:
         "enc": nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)),
         "dec": nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)),
     })
+
+
+def planted_t5(wi: float, wo: float) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A small T5 (random weights) whose feed-forward weights are scaled by `wi` and `wo`, to
+    plant fp16 overflows as T5 checkpoints have them, and a batch with labels."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                   num_heads=4, decoder_start_token_id=0)
+    t5 = transformers.T5ForConditionalGeneration(config)
+    with torch.no_grad():
+        for name, p in t5.named_parameters():
+            if name.endswith("wi.weight"):
+                p.mul_(wi)
+            elif name.endswith("wo.weight"):
+                p.mul_(wo)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
+    return t5, {"input_ids": ids, "labels": ids[:, :6].contiguous()}

@@ -13,6 +13,7 @@ from torch import nn
 
 from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
 from precision_annot._src.suggestion import Suggestion, suggest
+from tests.helpers import planted_t5
 
 GAIN = 2.0 ** 16  # exact in every dtype; lifts values of a few units past fp16's 65504
 
@@ -285,21 +286,10 @@ def test_bf16_default_tolerance_and_progress(capsys: pytest.CaptureFixture[str])
 def test_t5_gets_its_feed_forward_in_fp32_where_its_own_list_names_wo() -> None:
     """T5's hand-written `_keep_in_fp32_modules` is ["wo"]; here its feed-forward is scaled so
     that fp16 overflows inside it (wi's output), as T5 v1.1 checkpoints overflow."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from precision_annot.adapters import transformers as hf
 
-    torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_layers=2,
-                                   num_heads=4, decoder_start_token_id=0)
-    t5 = transformers.T5ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in t5.named_parameters():
-            if name.endswith("wi.weight"):
-                p.mul_(2.0 ** 17)
-            elif name.endswith("wo.weight"):
-                p.div_(2.0 ** 17)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
-    batch = {"input_ids": ids, "labels": ids[:, :6].contiguous()}
+    t5, batch = planted_t5(wi=2.0 ** 17, wo=2.0 ** -17)
     found = suggest(t5, batch, low="fp16", loss_fn=lambda out: out.loss)
     assert found.met
     feed_forwards = sorted(n for n, m in t5.named_modules() if type(m).__name__ ==

@@ -3,14 +3,14 @@ gain, fp8 planned where no Linear converts it, and fp8 comm a backend cannot all
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch import nn
 
 from precision_annot._src.dtypes import FP8, dtype_name
 from precision_annot._src.execution import fp8_gemms
 from precision_annot._src.findings import Finding, listing
-from precision_annot._src.float8 import Gemm, available, install_hint, plain_class
+from precision_annot._src.float8 import MX_BLOCK, Gemm, available, install_hint, plain_class
 from precision_annot._src.plan import PrecisionPlan
 
 __all__ = ["fp8_findings", "too_small"]
@@ -66,17 +66,25 @@ def _refused(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Fi
                       tuple(wrong))
 
 
-def _dims(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
-    bad = []
+def _linears(gemms: dict[str, Gemm], named: dict[str, nn.Module],
+             test: Callable[[Gemm, nn.Linear], bool]) -> tuple[list[str], nn.Linear | None]:
+    """The fp8 Linear layers for which `test` holds, by name, and the first of them."""
+    found: list[tuple[str, nn.Linear]] = []
     for name, gemm in gemms.items():
         module = named[name]
         assert isinstance(module, nn.Linear)
-        block = 32 if gemm.recipe == "mxfp8" else 16
-        if module.in_features % block or module.out_features % block:
-            bad.append(name)
-    if bad:
-        first = named[bad[0]]
-        assert isinstance(first, nn.Linear)
+        if test(gemm, module):
+            found.append((name, module))
+    return [n for n, _ in found], (found[0][1] if found else None)
+
+
+def _dims(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
+    def odd(gemm: Gemm, module: nn.Linear) -> bool:
+        block = MX_BLOCK if gemm.recipe == "mxfp8" else 16
+        return bool(module.in_features % block or module.out_features % block)
+
+    bad, first = _linears(gemms, named, odd)
+    if first is not None:
         yield Finding(
             "error", "fp8-dims", bad[0],
             f"{listing(bad)} run fp8 GEMMs with a dimension not divisible by 16 (32 for mxfp8), "
@@ -142,19 +150,13 @@ def _comm(plan: PrecisionPlan, gemms: dict[str, Gemm], named: dict[str, nn.Modul
 
 
 def _small(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
-    small = []
-    for name, gemm in gemms.items():
-        module = named[name]
-        assert isinstance(module, nn.Linear)
-        if too_small(gemm, module.out_features, module.in_features):
-            small.append(name)
-    if small:
-        first = named[small[0]]
-        assert isinstance(first, nn.Linear)
+    small, first = _linears(gemms, named, lambda gemm, module: too_small(
+        gemm, module.out_features, module.in_features))
+    if first is not None:
         yield Finding(
             "info", "fp8-small-gemm", small[0],
             f"{listing(small)} run GEMMs too small for fp8 to gain (e.g. {first.in_features} "
             f"-> {first.out_features}): by torchao's measurements, casting and scaling cost "
             "more than the faster GEMM saves, so they run slower than in bf16.",
-            "Keep them in bf16 (annotate(model, {name: 'compute=bf16'})), as torchao's "
-            "auto_filter_for_recipe would.", tuple(small))
+            f"Keep them in bf16 (annotate(model, {{{small[0]!r}: 'compute=bf16'}}) for each), "
+            "as torchao's auto_filter_for_recipe would.", tuple(small))

@@ -547,24 +547,9 @@ def _reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     tracker = ModuleTracker(names, enter, leave)
     mode = _Watch(tracker, peaks=True)
     with tracker, mode:
-        try:
-            torch.manual_seed(SEED)
-            output = model(*args, **kwargs)
-        except TypeError as e:
-            if not (len(args) == 1 and isinstance(args[0], tuple) and not kwargs):
-                raise
-            raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
-                            "passed as one argument; for several positional arguments pass "
-                            "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
-        loss = loss_fn(output, sample) if loss_fn is not None else None
-        if loss is not None:
-            _require_loss(loss)
-            loss.backward()  # type: ignore[no-untyped-call]
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return _Reference(_detached(output), None if loss is None else loss.detach(), grads,
-                      inputs, outputs, mode.peaks, mode.backward_peak, mode.counts)
+        output, loss = _reference_step(model, args, kwargs, loss_fn, sample)
+    return _Reference(_detached(output), loss, _take_gradients(model), inputs, outputs,
+                      mode.peaks, mode.backward_peak, mode.counts)
 
 
 def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -585,27 +570,41 @@ def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
     handles = [m.register_forward_hook(hook) for m in model.modules()]
     try:
-        try:
-            torch.manual_seed(SEED)
-            output = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
-        except TypeError as e:
-            if not (len(args) == 1 and isinstance(args[0], tuple) and not kwargs):
-                raise
-            raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
-                            "passed as one argument; for several positional arguments pass "
-                            "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
-        loss = loss_fn(output, sample) if loss_fn is not None else None
-        if loss is not None:
-            _require_loss(loss)
-            loss.backward()  # type: ignore[no-untyped-call]
+        output, loss = _reference_step(model, args, kwargs, loss_fn, sample)
     finally:
         for handle in handles:
             handle.remove()
+    return _Reference(_detached(output), loss, _take_gradients(model), {}, {}, {}, peak[0], {})
+
+
+def _reference_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    loss_fn: LossFn | None, sample: _Sample
+                    ) -> tuple[Any, torch.Tensor | None]:
+    """One seeded fp32 forward on copies of the sample, and the backward of `loss_fn`'s loss:
+    the output and the (detached) loss."""
+    try:
+        torch.manual_seed(SEED)
+        output = model(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    except TypeError as e:
+        if not (len(args) == 1 and isinstance(args[0], tuple) and not kwargs):
+            raise
+        raise TypeError(f"suggest: the model failed on the sample ({e}). A tuple sample is "
+                        "passed as one argument; for several positional arguments pass "
+                        "(args, kwargs), e.g. suggest(model, ((x1, x2), {})).") from e
+    loss = loss_fn(output, sample) if loss_fn is not None else None
+    if loss is None:
+        return output, None
+    _require_loss(loss)
+    loss.backward()  # type: ignore[no-untyped-call]
+    return output, loss.detach()
+
+
+def _take_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients a step left, by parameter name; the model's own are cleared."""
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return _Reference(_detached(output), None if loss is None else loss.detach(), grads, {}, {},
-                      {}, peak[0], {})
+    return grads
 
 
 def _require_loss(loss: Any) -> None:

@@ -120,9 +120,10 @@ class Small(nn.Module):
 @pytest.fixture
 def accelerator_state() -> Any:
     accelerate = pytest.importorskip("accelerate")
-    yield accelerate
     from accelerate.state import AcceleratorState
 
+    AcceleratorState._reset_state(True)  # a Trainer in another test file leaves its state
+    yield accelerate
     AcceleratorState._reset_state(True)
 
 

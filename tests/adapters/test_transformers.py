@@ -29,6 +29,7 @@ from precision_annot._src.runtime import installed_boundaries
 
 transformers = pytest.importorskip("transformers")
 from precision_annot.adapters import transformers as hf  # noqa: E402
+from tests.helpers import planted_t5  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers")
 VOCAB = 128
@@ -519,21 +520,9 @@ def test_rules_hand_t5s_kept_output_on_in_fp32_as_transformers_does() -> None:
     """transformers runs T5's kept `wo` on fp32 weights and never casts its output back: the
     fp32 output flows into the residual sum. Handed back in fp16, an output past 65504 is
     inf; with the rules' output=fp32 the model stays finite in 16-mixed and in fp16."""
-    transformers = pytest.importorskip("transformers")
     from precision_annot import annotate
 
-    torch.manual_seed(0)
-    config = transformers.T5Config(vocab_size=128, d_model=32, d_ff=64, d_kv=8, num_layers=2,
-                                   num_heads=4, decoder_start_token_id=0)
-    t5 = transformers.T5ForConditionalGeneration(config)
-    with torch.no_grad():
-        for name, p in t5.named_parameters():
-            if name.endswith("wo.weight"):
-                p.mul_(2.0 ** 12)  # wo's output past fp16's range
-            elif name.endswith("wi.weight"):
-                p.mul_(2.0 ** 4)
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
-    batch = {"input_ids": ids, "labels": ids[:, :6].contiguous()}
+    t5, batch = planted_t5(wi=2.0 ** 4, wo=2.0 ** 12)  # wo's output past fp16's range
     assert torch.isfinite(t5(**batch).logits).all()
     rules = hf.rules(t5)
     assert [spec for _, spec in rules] == ["fp32,output=fp32"]

@@ -42,18 +42,23 @@ def recording(*namespaces: ModuleType) -> Iterator[list[Call]]:
 _inside = threading.local()  # one record per collective, even if one wrapped call makes another
 
 
+def _largest(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The largest tensor a collective was given (directly or in a list): what it moves."""
+    tensors: list[torch.Tensor] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+        elif isinstance(a, list):
+            tensors += [t for t in a if isinstance(t, torch.Tensor)]
+    return max(tensors, key=lambda x: x.numel()) if tensors else None
+
+
 def _wrap(original: Callable[..., Any], name: str, into: list[Call]) -> Callable[..., Any]:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if getattr(_inside, "active", False):
             return original(*args, **kwargs)
-        tensors = []
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                tensors.append(a)
-            elif isinstance(a, list):
-                tensors += [t for t in a if isinstance(t, torch.Tensor)]
-        if tensors:
-            t = max(tensors, key=lambda x: x.numel())
+        t = _largest(args, kwargs)
+        if t is not None:
             into.append((name, dtype_name(t.dtype), t.numel()))
         _inside.active = True
         try:
@@ -97,14 +102,8 @@ class RecordingGloo(dist.ProcessGroup):  # type: ignore[misc]
 def _delegate(name: str) -> Callable[..., Any]:
     def method(self: RecordingGloo, *args: Any, **kwargs: Any) -> Any:
         if name in _REDUCING:
-            tensors: list[torch.Tensor] = []
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor):
-                    tensors.append(a)
-                elif isinstance(a, list):
-                    tensors += [t for t in a if isinstance(t, torch.Tensor)]
-            if tensors:
-                t = max(tensors, key=lambda x: x.numel())
+            t = _largest(args, kwargs)
+            if t is not None:
                 WIRE.append((name, dtype_name(t.dtype), t.numel()))
         return getattr(self.inner, name)(*args, **kwargs)
 
