@@ -1,24 +1,32 @@
 # The two README commands: `make demo` and `make test`. Both create .venv when it is missing.
 # torch==2.13.0 is installed first and explicitly: its CPU build is on this machine's disk,
 # while letting pip resolve a torch range pulls a CUDA build of several GB.
+#
+# The project's own environment is reproducible: every other package is installed at the
+# version requirements/lock.txt pins (`make lock` refreshes it). Users of the library keep the
+# version ranges of pyproject.toml; `make test-latest` runs the tests on the newest releases
+# those ranges admit, in .venv-latest, so that a new release that breaks us shows up there
+# instead of in a fresh clone.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  ?= torch==2.13.0
+LOCK   ?= requirements/lock.txt
+PIP    := -m pip install --quiet --disable-pip-version-check
 PYTEST_FLAGS ?=
 # One thread per process unless set: on a small shared machine torch's default (a thread per
 # core) made the demo 10x slower, and the tests run two ranks at a time.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: venv demo test test-all lint bench docs clean
+.PHONY: venv demo test test-all test-latest lock lint bench docs clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[all]'
+	$(PY) $(PIP) $(TORCH)
+	$(PY) $(PIP) -c $(LOCK) -e '.[all]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -29,6 +37,28 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "" $(PYTEST_FLAGS)
+
+# The tests against the newest releases of every dependency (torch still pinned first).
+test-latest:
+	test -x .venv-latest/bin/python || $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/python $(PIP) $(TORCH)
+	.venv-latest/bin/python $(PIP) --upgrade --upgrade-strategy eager -e '.[all]'
+	.venv-latest/bin/python -m pip freeze --exclude-editable | \
+		grep -iE '^(transformers|accelerate|lightning|deepspeed|torchao|bitsandbytes)=='
+	.venv-latest/bin/python -m pytest -q $(PYTEST_FLAGS)
+
+# Refresh the lock: resolve pyproject's ranges afresh in a scratch venv and pin what came.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python $(PIP) $(TORCH)
+	.venv-lock/bin/python $(PIP) -e '.[all]'
+	mkdir -p requirements
+	{ echo "# Pins for the project's own environment (tests, CI, demo): make installs $(TORCH)"; \
+	  echo "# first, then the project with these constraints. Refresh with 'make lock'."; \
+	  .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK)
+	rm -rf .venv-lock
+	@echo "wrote $(LOCK); run 'make test' on it before committing"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -41,4 +71,4 @@ docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .torch_extensions
+	rm -rf $(VENV) .venv-latest site .pytest_cache .mypy_cache .ruff_cache .torch_extensions

@@ -25,6 +25,7 @@ from precision_annot import (
     remove,
     resolve,
 )
+from precision_annot._src.plan import parent_name
 from precision_annot._src.runtime import installed_boundaries
 
 transformers = pytest.importorskip("transformers")
@@ -223,7 +224,11 @@ def test_a_kept_buffer_keeps_its_module_in_fp32_as_transformers_keeps_the_buffer
     apply(model, default="bf16")
     ours = fp32_tensors(model)
     assert native <= ours
-    assert ours - native == {"model.layers.1.mlp.gate.weight"}  # the router's own weight
+    # wider than transformers only within a module it keeps a tensor of (asked of the installed
+    # release: 5.23 kept the router's bias alone, 5.24 keeps its weight too)
+    kept_owners = {parent_name(t) for t in native}
+    assert {parent_name(t) for t in ours - native} <= kept_owners
+    assert "model.layers.1.mlp.gate.weight" in ours
     ids = torch.randint(0, VOCAB, (2, 8))
     with audit(model) as report:
         model(input_ids=ids, labels=ids).loss.backward()
