@@ -124,6 +124,9 @@ def test_batch_norm_statistics_kept_low_are_measured() -> None:
     assert found.severity == "warning" and found.module == "1" and "drifts 1." in found.message
     assert by_code(numerics(resolve(model, "16-true")), "low-running-stats") == []
     assert by_code(numerics(resolve(model, "bf16-mixed")), "low-running-stats") == []
+    # a BatchNorm that keeps no running statistics has none to drift (0.3 said it did)
+    untracked = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32, track_running_stats=False))
+    assert by_code(numerics(resolve(untracked, "bf16-true")), "low-running-stats") == []
 
 
 def test_comm_narrower_than_storage_is_one_finding_per_dtype_pair() -> None:

@@ -178,6 +178,23 @@ def test_apply_converts_exactly_the_planned_linears_and_remove_gives_them_back()
             assert torch.equal(p.detach(), values[n]), n
 
 
+def test_export_of_an_fp8_model_is_refused_naming_the_layer() -> None:
+    """torch.export cannot trace torchao's fp8 training tensors; 0.3 failed with a raw "Unable
+    to cast NotImplemented to Tensor". Without fp8 the same model exports."""
+    model = fp8_but_head(net())
+    pa.apply(model, default="bf16-mixed")
+    x = torch.randn(16, 32)
+    with pytest.raises(RuntimeError, match=r"torch.export cannot trace module 'up': it runs its "
+                                           r"GEMMs in fp8 \(compute=fp8\)"):
+        torch.export.export(model, (x,))
+    eager = model(x)
+    pa.annotate(model, {nn.Linear: "compute=bf16"})
+    pa.apply(model)  # the same default, now without fp8
+    assert type(model.up) is nn.Linear
+    exported = torch.export.export(model, (x,)).module()
+    assert exported(x).dtype == eager.dtype == torch.bfloat16
+
+
 def test_apply_again_with_another_recipe_reconverts_and_is_idempotent() -> None:
     model = fp8_but_head(net())
     pa.apply(model)
@@ -364,8 +381,8 @@ def test_mxfp8_refuses_fp16_and_names_a_batch_that_cannot_be_cut_into_blocks() -
     assert type(model[0]) is nn.Linear
 
     pa.apply(model, plan)
-    with pytest.raises(ValueError, match=r"MXFP8Linear\(64, 64\): mxfp8 trains on inputs whose "
-                                         r"rows.*multiple of 32.*this input has 12 \(shape "
+    with pytest.raises(ValueError, match=r"module '0' \(MXFP8Linear\): mxfp8 trains on inputs "
+                                         r"whose rows.*multiple of 32.*this input has 12 \(shape "
                                          r"\(3, 4, 64\)\)"):
         model(torch.randn(3, 4, 64))
     with torch.no_grad():  # inference cuts the input along its last dimension only

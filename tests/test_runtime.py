@@ -225,6 +225,70 @@ def test_apply_again_restores_the_plan_after_dtypes_drift(drift: str) -> None:
     assert {p.dtype for p in model.parameters()} == {fp32}
 
 
+def test_apply_without_a_plan_reapplies_as_the_model_was_applied() -> None:
+    """0.3's apply(model) after .half() re-resolved the bare annotations without the default
+    that was applied, and the next forward failed with a raw dtype error. It now re-resolves
+    with that default (a new annotation is taken up), or reuses a plan given explicitly."""
+    model = _island()
+    apply(model, default="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.half()
+        apply(model)
+    assert model[0].weight.dtype == bf16 and model[1].inner.weight.dtype == fp32
+    assert model(torch.randn(2, 4)).dtype == bf16
+    annotate(model, {"2": "fp32"})
+    apply(model)  # the annotation is taken up, with the same default
+    assert model[2].weight.dtype == fp32 and model[0].weight.dtype == bf16
+    given = _island()
+    explicit = resolve(given, default="bf16").with_policies({"2": Policy.parse("fp32")})
+    apply(given, explicit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        given.half()
+        apply(given)
+    assert applied_plan(given) == explicit and given[2].weight.dtype == fp32
+
+
+def test_an_optimizer_built_before_apply_is_refused_with_the_cause() -> None:
+    """0.3 ended in torch's raw "expected dtype float for `end` but got dtype c10::BFloat16"."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    apply(model, default="bf16")
+    model(torch.randn(2, 4)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\): it holds state for parameter "
+                                           r"'0.weight' \(exp_avg, exp_avg_sq in fp32\) built "
+                                           r"before precision_annot.apply stored that parameter "
+                                           r"in bf16.*Build the optimizer after apply"):
+        optimizer.step()
+    rebuilt = torch.optim.AdamW(model.parameters())
+    rebuilt.load_state_dict(optimizer.state_dict())  # the fix the message gives
+    rebuilt.step()
+    assert rebuilt.state[model[0].weight]["exp_avg"].dtype == bf16
+    fresh = nn.Linear(4, 4)  # an optimizer built after apply is not touched
+    apply(fresh, default="bf16")
+    after = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        fresh(torch.randn(2, 4, dtype=bf16)).float().sum().backward()
+        after.step()
+
+
+def test_a_drift_error_says_which_cause_it_is() -> None:
+    """Tensors passed to torch.func.functional_call are not the model's: 0.3 told the user to
+    apply again, which changes nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), precision(fp32)(nn.Linear(4, 4)))
+    apply(model, default="bf16")
+    passed = {n: p.detach().half() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"Module '\(root\)'.*0\.weight is fp16, planned "
+                                           r"bf16.*These tensors were passed in for this call "
+                                           r"\(torch\.func\.functional_call"):
+        torch.func.functional_call(model, passed, (torch.randn(2, 4),))
+    planned = {n: p.detach() for n, p in model.named_parameters()}
+    assert torch.func.functional_call(model, planned, (torch.randn(2, 4),)).dtype == bf16
+
+
 def test_apply_a_submodule_again_after_removing_its_parent() -> None:
     model = _island()
     sub = model[1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any, Literal, TypeAlias
 
@@ -66,6 +66,10 @@ class ModuleRecord:
             Conv1D's), or with fp8 operands; not those of activations alone (attention scores).
         fp8_gemms: those of them that took fp8 operands (`_scaled_mm`, torchao's fp8
             tensors), per phase.
+        high_weight_gemms: for a module planned with fp8 GEMMs, the GEMMs that multiplied by
+            its weight (or a copy autocast made of it) in high precision, wherever they ran
+            (a parent calling `F.linear(x, fc.weight)`, `MultiheadAttention` using its
+            `out_proj`'s weight), per phase.
     """
 
     name: str
@@ -82,6 +86,7 @@ class ModuleRecord:
     region: Policy | None = None
     gemms: Counter[str] = dataclasses.field(default_factory=Counter)
     fp8_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
+    high_weight_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +149,11 @@ def _gemm(name: str, policy: Policy, planned: bool, record: ModuleRecord
     """fp8 GEMMs where the plan converts the module, and none where it does not."""
     for phase in ("forward", "backward"):
         ran, fp8 = record.gemms[phase], record.fp8_gemms[phase]
-        if planned and ran and not fp8:
+        if planned and record.high_weight_gemms[phase]:
+            yield Divergence(name, "gemm", str(policy.gemm),
+                             f"{record.high_weight_gemms[phase]} GEMMs by its weight in high "
+                             "precision, outside its own fp8 forward", phase)
+        elif planned and ran and not fp8:
             yield Divergence(name, "gemm", str(policy.gemm), f"{ran} GEMMs, none in fp8",
                              phase)
         elif not planned and fp8:
@@ -351,17 +360,45 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records the dtype each floating op computes in, after autocast, at dispatch."""
 
     def __init__(self, tracker: ModuleTracker, records: dict[str, ModuleRecord],
-                 modules: dict[str, nn.Module]) -> None:
+                 modules: dict[str, nn.Module], fp8_planned: Iterable[str] = ()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.tracker = tracker
         self.records = records
         self.modules = modules
+        # the weights planned with fp8 GEMMs, and the copies made of them (autocast's, a .to()),
+        # by storage: (their module, the copy, held so its memory is not reused meanwhile)
+        self.fp8_weights: dict[int, tuple[str, torch.Tensor | None]] = {}
+        for name in fp8_planned:
+            weight = getattr(modules.get(name), "weight", None)
+            if isinstance(weight, torch.Tensor):
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    self.fp8_weights[weight.untyped_storage().data_ptr()] = (name, None)
+
+    def _fp8_owner(self, tensors: Iterable[torch.Tensor]) -> str | None:
+        """The fp8-planned module whose weight (or a copy of it) is among `tensors`."""
+        for t in tensors:
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                found = self.fp8_weights.get(t.untyped_storage().data_ptr())
+                if found is not None:
+                    return found[0]
+        return None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.fp8_weights and func.overloadpacket.__name__ in ("_to_copy", "clone"):
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            owner = self._fp8_owner([source]) if source is not None else None
+            if owner is not None and isinstance(out, torch.Tensor) and not is_fp8_tensor(out):
+                with contextlib.suppress(RuntimeError, NotImplementedError):
+                    self.fp8_weights[out.untyped_storage().data_ptr()] = (owner, out)
         if func.is_view or not _computes(func, args, kwargs):
             return out
+        gemm = func.overloadpacket.__name__ in _GEMMS
+        operands = [t for t in (*args, *(kwargs or {}).values())
+                    if isinstance(t, torch.Tensor)] if gemm else []
+        fp8 = any(is_fp8_tensor(t) for t in operands)
+        high = None if fp8 or not self.fp8_weights else self._fp8_owner(operands)
         inputs: list[torch.Tensor] = []
         floating_leaves((args, kwargs), inputs)
         if not inputs:
@@ -369,6 +406,10 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
         owner = self.tracker.owner() if results else None
+        if high is not None:  # an fp8-planned weight multiplied in high precision, anywhere
+            phase_now = owner[1] if owner is not None else (
+                "backward" if torch._C._current_graph_task_id() != -1 else "forward")
+            self.records[high].high_weight_gemms[phase_now] += 1
         if owner is None:
             return out
         name, phase = owner
@@ -376,14 +417,10 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         counter = record.forward_ops if phase == "forward" else record.backward_ops
         for t in results:
             counter[t.dtype] += 1
-        if func.overloadpacket.__name__ in _GEMMS:
-            operands = [t for t in (*args, *(kwargs or {}).values())
-                        if isinstance(t, torch.Tensor)]
-            fp8 = any(is_fp8_tensor(t) for t in operands)
-            if fp8 or self._weighs(name, operands):
-                record.gemms[phase] += 1
-                if fp8:
-                    record.fp8_gemms[phase] += 1
+        if gemm and (fp8 or self._weighs(name, operands)):
+            record.gemms[phase] += 1
+            if fp8:
+                record.fp8_gemms[phase] += 1
         return out
 
     def _weighs(self, name: str, operands: list[torch.Tensor]) -> bool:
@@ -495,7 +532,8 @@ class audit:
                     self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                         _grad_recorder(records[names[module]], pname)))
         self._modes = [_AutocastState(tracker, records),
-                       _OpDtypes(tracker, records, {n: m for m, n in names.items()})]
+                       _OpDtypes(tracker, records, {n: m for m, n in names.items()},
+                                 [n for n, e in self.plan.items() if e.policy.gemm])]
         for mode in self._modes:
             mode.__enter__()
         self.report = AuditReport(self.plan, execution, records, installed)

@@ -684,6 +684,7 @@ class Boundary:
         if isinstance(error, DriftError) or not self.planned or _sharded(self.module):
             return
         drifted = []
+        swapped = False  # a parameter that is not a Parameter: a tensor someone passed in
         for item in self.planned:
             try:
                 owner = self.module.get_submodule(item.path)
@@ -694,17 +695,33 @@ class Boundary:
                 where = f"{item.path}.{item.name}" if item.path else item.name
                 drifted.append(f"{where} is {dtype_name(tensor.dtype)}, planned "
                                f"{dtype_name(item.dtype)}")
+                swapped |= item.kind == "param" and not isinstance(tensor, nn.Parameter)
         if not drifted:
             return
         spec = self.spec
         assert spec is not None
         more = f" (and {len(drifted) - 3} more)" if len(drifted) > 3 else ""
+        plan = getattr(self.owner, "plan", None)  # the AppliedState of the model
+        root = plan.module("") if plan is not None else None
+        if root is not None and _sharded(root):
+            cause = ("FSDP2 gathers the parameters of each unit in its MixedPrecisionPolicy's "
+                     "param_dtype, and this module's unit gathers them narrower than the plan "
+                     "has them. Shard with precision_annot.adapters.fsdp.fully_shard(model, "
+                     "plan), which gives each island a unit of its own; check(model, 'fsdp') "
+                     "names the units that differ.")
+        elif swapped:
+            cause = ("These tensors were passed in for this call (torch.func.functional_call, "
+                     "or a state swapped in), in other dtypes than the plan holds. Pass them "
+                     "in their planned dtypes, e.g. {name: t.to(dtype)} with each module's "
+                     "storage from precision_annot.applied_plan(model); the model itself is "
+                     "unchanged.")
+        else:
+            cause = ("Something changed them after apply (model.half(), model.to(dtype), "
+                     "load_state_dict(assign=True), ...). Call precision_annot.apply(model) "
+                     "again to restore the plan.")
         raise DriftError(
             f"Module {spec.name or '(root)'!r} failed with tensors that are no longer in their "
-            f"planned dtypes: {'; '.join(drifted[:3])}{more}. Something changed them after "
-            "apply (model.half(), model.to(dtype), load_state_dict(assign=True), ...). Call "
-            f"precision_annot.apply(model, plan) again to restore the plan. The error was: "
-            f"{error}"
+            f"planned dtypes: {'; '.join(drifted[:3])}{more}. {cause} The error was: {error}"
         ) from error
 
 

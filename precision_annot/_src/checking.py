@@ -18,8 +18,7 @@ from torch import nn
 from precision_annot._src.findings import SEVERITIES, Finding, numerics
 from precision_annot._src.float8_checks import fp8_findings
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.runtime import plan_of
-from precision_annot._src.wrappers import unwrap
+from precision_annot._src.runtime import subject
 
 __all__ = ["BACKENDS", "check"]
 
@@ -88,6 +87,9 @@ def _fsdp(backend: str) -> Checker:
                              "this plan holds none (it was loaded from JSON, or its model is "
                              "gone); pass the model instead of its plan.")
         found = fsdp.findings(plan, backend, model=model, **options)
+        live = fsdp.sharded_units(plan, model) if model is not None else None
+        if live is not None:
+            return found, fsdp.reduced(plan, [u.name for u in live]), None
         names = fsdp.unit_names(plan, model, options.get("units"),
                                 merge_below=options.get("merge_below"))
         return found, fsdp.reduced(plan, names), None
@@ -100,14 +102,16 @@ def _ddp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None
     from precision_annot.adapters import ddp
 
     options = {k: v for k, v in (options or {}).items() if k != "grad_scaler"}
-    return ddp.findings(plan, wrapped, **options), ddp.reduced(plan, wrapped)[0], None
+    ddp_model = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
+    return ddp.findings(plan, ddp_model, **options), ddp.reduced(plan, ddp_model)[0], None
 
 
 def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
                options: Any) -> Checked:
-    from precision_annot.adapters.lightning.checks import findings
+    from precision_annot.adapters.lightning.checks import findings, reduced
 
-    return findings(plan, options, applied=model is not None and _applied(model)), None, None
+    return (findings(plan, options, applied=model is not None and _applied(model)),
+            reduced(plan, options), None)
 
 
 def _applied(model: nn.Module) -> bool:
@@ -174,20 +178,10 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         raise ValueError(f"check: backend must be None or one of {list(BACKENDS)}. "
                          f"Received: backend={backend!r}")
     options = _config_for(backend, config)
-    wrapped = model = None
-    if isinstance(model_or_plan, nn.Module):
-        wrapped = model_or_plan if model_or_plan is not unwrap(model_or_plan) else None
-        model = unwrap(model_or_plan)
-        plan = plan_of(model)
-    elif isinstance(model_or_plan, PrecisionPlan):
-        plan = model_or_plan
-        model = plan.module("") if plan.has_model else None  # resolved from a live model
-    else:
-        raise TypeError(
-            "check: model_or_plan must be an nn.Module or a PrecisionPlan. "
-            f"Received: {model_or_plan!r} (of type {type(model_or_plan).__name__})"
-        )
-    found, comm, stored = _CHECKS[backend](plan, model, _ddp_of(wrapped), options) if (
+    given = subject(model_or_plan, "check")
+    given.require_facts("check", "a plan")
+    plan, model, wrapped = given.plan, given.model, given.wrapped
+    found, comm, stored = _CHECKS[backend](plan, model, wrapped, options) if (
         backend) else ([], None, None)
     scaled = bool(isinstance(options, Mapping) and options.get("grad_scaler"))
     found = numerics(plan, backend, comm=comm, stored=stored, scaled=scaled) + found
@@ -195,5 +189,3 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
 
 
-def _ddp_of(wrapped: nn.Module | None) -> nn.Module | None:
-    return wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None

@@ -4,13 +4,16 @@ before launch, export backend configs, run the demo."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,35 +52,40 @@ def load_object(target: str, *, call: bool = True) -> Any:
             f"TARGET must be 'package.module:callable' or 'path/to/file.py:callable'. "
             f"Received: {target!r}"
         )
-    try:
-        if module_part.endswith(".py") or "/" in module_part:
-            path = Path(module_part)
-            if not path.is_file():
-                raise CLIError(f"Cannot import {module_part!r}: no such file.")
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            if spec is None or spec.loader is None:
-                raise CLIError(f"Cannot import {module_part!r}.")
-            folder = str(path.resolve().parent)  # its siblings import, as `python file.py`
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[path.stem] = module
-            spec.loader.exec_module(module)
-        else:
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise CLIError(f"Cannot import {module_part!r}: no such file.")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        if spec is None or spec.loader is None:
+            raise CLIError(f"Cannot import {module_part!r}.")
+        folder = str(path.resolve().parent)  # its siblings import, as `python file.py`
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)  # the user's code raising here is exit status 3
+    else:
+        try:
             module = importlib.import_module(module_part)
-    except CLIError:
-        raise
-    except Exception as e:
-        raise CLIError(f"Cannot import {module_part!r}: {type(e).__name__}: {e}") from e
+        except ModuleNotFoundError as e:
+            if e.name is None or not (module_part == e.name
+                                      or module_part.startswith(e.name + ".")):
+                raise  # the target imports, and something it imports is missing: its error
+            raise CLIError(f"Cannot import {module_part!r}: {type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
     if fn is None:
         raise CLIError(f"{module_part!r} has no attribute {attr!r}.")
-    if not call:
+    if not call or not callable(fn) or isinstance(fn, (nn.Module, torch.Tensor)):
         return fn
     try:
-        return fn() if callable(fn) and not isinstance(fn, (nn.Module, torch.Tensor)) else fn
-    except Exception as e:
-        raise CLIError(f"Calling {target} failed: {type(e).__name__}: {e}") from e
+        inspect.signature(fn).bind()
+    except TypeError as e:
+        raise CLIError(f"Calling {target} failed: it must be callable with no arguments "
+                       f"({e}).") from e
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+    return fn()  # the user's factory raising is exit status 3, with its traceback
 
 
 def _plan(args: argparse.Namespace) -> PrecisionPlan:
@@ -100,7 +108,7 @@ def _plan(args: argparse.Namespace) -> PrecisionPlan:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    print(plan.to_json() if args.json else plan)
+    args.emit(plan.to_json() if args.json else plan)
     return 0
 
 
@@ -118,7 +126,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
           "this config relies on. Without it DeepSpeed runs every module as the config alone "
           "says.", file=sys.stderr)
     if args.output is None:
-        sys.stdout.write(text)
+        args.emit(text, end="")
         return 0
     try:
         Path(args.output).write_text(text)
@@ -148,7 +156,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     except Exception as e:
         raise CLIError(f"Running the model on {args.sample} failed: {type(e).__name__}: {e}"
                        ) from e
-    print(report)
+    args.emit(report)
     return 1 if report.divergences else 0
 
 
@@ -167,7 +175,7 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
                         measure=args.plot is not None)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from e
-    print(found.to_json() if args.json else found)
+    args.emit(found.to_json() if args.json else found)
     for path, text in ((args.out, found.plan.to_json()),):
         if path is not None:
             try:
@@ -228,11 +236,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from e
     if args.json:
-        print(json.dumps([f.to_dict() for f in found], indent=2))
+        args.emit(json.dumps([f.to_dict() for f in found], indent=2))
     else:
         for severity in SEVERITIES:
             for finding in (f for f in found if f.severity == severity):
-                print(finding)
+                args.emit(finding)
         counts = [(sum(f.severity == s for f in found), s) for s in SEVERITIES]
         summary = ", ".join(f"{n} {s}{'' if n == 1 else 's'}" for n, s in counts)
         print(f"{summary} ({args.backend or 'any backend'})", file=sys.stderr)
@@ -321,6 +329,37 @@ def _parser() -> argparse.ArgumentParser:
 CRASHED = 3
 
 
+@contextlib.contextmanager
+def results_only(on: bool = True) -> Iterator[Callable[..., None]]:
+    """Keep stdout for the command's result: while it runs, whatever else writes to stdout
+    (DeepSpeed's logger saying "Setting accelerator to CPU", a print in the user's model) goes
+    to stderr, at the file descriptor as well as `sys.stdout`, so `--json` output parses. Yields
+    the function that writes the result to the real stdout."""
+    real = sys.stdout
+    if not on:
+        yield functools.partial(print, file=real, flush=True)
+        return
+    try:
+        fd: int | None = real.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (captured)
+        fd = None
+    saved = None
+    if fd is not None:
+        real.flush()
+        saved = os.dup(fd)
+        os.dup2(2, fd)
+    out = os.fdopen(saved, "w", closefd=False) if saved is not None else real
+    sys.stdout = sys.stderr
+    try:
+        yield functools.partial(print, file=out, flush=True)
+    finally:
+        sys.stdout.flush()
+        sys.stdout = real
+        if saved is not None and fd is not None:
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # targets import from the current directory, as with -m
@@ -329,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         try:
-            status = int(args.func(args))
+            with results_only(args.command != "demo") as emit:
+                args.emit = emit
+                status = int(args.func(args))
         except CLIError as e:
             status = 2
             error = str(e)

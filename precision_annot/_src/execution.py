@@ -165,11 +165,16 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
     return Execution(targets, sites, casting, reprs, check, fp8_gemms(plan, named))
 
 
-def fp8_gemms(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[str, Gemm]:
-    """The Linear layers whose plan runs their GEMMs in fp8."""
+def fp8_gemms(plan: PrecisionPlan, named: Mapping[str, nn.Module] | None = None
+              ) -> dict[str, Gemm]:
+    """The Linear layers whose plan runs their GEMMs in fp8: read off the model `named` when
+    given (what `apply` converts), else off what `resolve` saw of each module."""
+    def linear(name: str, entry: ModulePlan) -> bool:
+        return isinstance(named[name], nn.Linear) if named is not None else entry.has("linear")
+
     return {name: Gemm(entry.policy.gemm, entry.policy.comm == FP8, entry.policy.compute)
             for name, entry in plan.items()
-            if entry.policy.gemm is not None and isinstance(named[name], nn.Linear)}
+            if entry.policy.gemm is not None and linear(name, entry)}
 
 
 def _targets(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[Key, Target]:

@@ -28,7 +28,8 @@ from precision_annot._src.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, f
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.policy import FIELDS
 
-__all__ = ["SEVERITIES", "Finding", "Severity", "drift", "listing", "numerics", "outermost"]
+__all__ = ["SEVERITIES", "Finding", "Severity", "drift", "drifts", "listing", "numerics",
+           "outermost"]
 
 Severity: TypeAlias = Literal["error", "warning", "info"]
 SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
@@ -145,29 +146,44 @@ def drift(plan: PrecisionPlan, field: str, actual: Mapping[str, torch.dtype], *,
           backend: str, cause: str, fix: str) -> list[Finding]:
     """One error for the modules the backend narrows, one warning for those it widens: each
     names the modules, the dtypes, what happens, and `fix`."""
-    found = compare(plan, field, actual)
-    verb, noun = _WHAT[field]
+    return drifts(plan, {field: actual}, code=code, backend=backend, cause=cause, fix=fix)
+
+
+def drifts(plan: PrecisionPlan, actual: Mapping[str, Mapping[str, torch.dtype]], *, code: str,
+           backend: str, cause: str, fix: str) -> list[Finding]:
+    """`drift` for several fields with one cause (a backend that stores and computes every
+    module in one dtype): still one error and one warning, each saying every field."""
+    compared = {field: compare(plan, field, dtypes) for field, dtypes in actual.items()}
     out = []
-    for severity, changes in (("error", found.narrowed), ("warning", found.widened)):
-        if not changes:
+    for severity in ("error", "warning"):
+        parts, names, nouns, extra = [], [], [], 0
+        for field, found in compared.items():
+            changes = found.narrowed if severity == "error" else found.widened
+            if not changes:
+                continue
+            verb, noun = _WHAT[field]
+            here = list(changes)
+            pairs = sorted({(dtype_name(a), dtype_name(b)) for a, b in changes.values()})
+            said = "; ".join(f"planned {a}, {b} instead" for a, b in pairs)
+            elements = sum(plan[n].params for n in here)
+            parts.append(f"{verb} {listing(here)} ({elements:,} parameters) in another dtype "
+                         f"than the plan ({said})")
+            names += [n for n in here if n not in names]
+            nouns.append(noun)
+            extra += sum(plan[n].params * (changes[n][1].itemsize - changes[n][0].itemsize)
+                         for n in here if field != "compute")
+        if not parts:
             continue
-        names = list(changes)
-        pairs = sorted({(dtype_name(a), dtype_name(b)) for a, b in changes.values()})
-        said = "; ".join(f"planned {a}, {b} instead" for a, b in pairs)
-        elements = sum(plan[n].params for n in names)
         if severity == "error":
-            then = (f"so they are {noun} with fewer bits than the plan gives them, silently "
-                    "(an island meant to stay wide is not)")
+            then = (f"so they are {' and '.join(nouns)} with fewer bits than the plan gives "
+                    "them, silently (an island meant to stay wide is not)")
         else:
-            extra = sum(plan[n].params * (changes[n][1].itemsize - changes[n][0].itemsize)
-                        for n in names)
-            then = ("so they run slower than planned" if field == "compute" else
+            then = ("so they run slower than planned" if nouns == ["computed"] else
                     f"so they cost more than planned: {extra:,} more bytes"
-                    f"{' a step on the wire' if field == 'comm' else ' of parameters'}")
+                    f"{' a step on the wire' if 'summed' in nouns else ' of parameters'}")
         out.append(Finding(
-            severity, code, names[0],  # type: ignore[arg-type]
-            f"{backend} {verb} {listing(names)} ({elements:,} parameters) in another dtype than "
-            f"the plan ({said}), because {cause}, {then}.", fix, tuple(names)))
+            severity, code, names[0],
+            f"{backend} {', and '.join(parts)}, because {cause}, {then}.", fix, tuple(names)))
     return out
 
 
@@ -248,24 +264,22 @@ def running_stats_error(features: int, dtype: torch.dtype, steps: int = 200) -> 
 
 
 def _running_statistics(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
-    """A BatchNorm whose running statistics are stored in a low dtype, measured: momentum
-    updates smaller than the dtype's resolution round away. (A LayerNorm or RMSNorm run in
-    bf16 gives the same output as an fp32 island handing back bf16, so it is not reported.)"""
+    """A norm whose running statistics are stored in a low dtype, measured: momentum updates
+    smaller than the dtype's resolution round away. (A LayerNorm or RMSNorm run in bf16 gives
+    the same output as an fp32 island handing back bf16, so it is not reported; nor is a
+    BatchNorm with track_running_stats=False, which keeps none.)"""
     if backend == "deepspeed":
         return
     measured: dict[tuple[int, torch.dtype], float] = {}
     for name, entry in plan.items():
         storage = entry.policy.storage
-        module = plan.module(name)
-        is_norm = isinstance(module, nn.modules.batchnorm._BatchNorm) if module is not None \
-            else entry.type.rsplit(".", 1)[-1] in _BATCH_NORMS
-        if not is_norm or storage not in LOW_PRECISION:
+        if not entry.has("running-stats") or storage not in LOW_PRECISION:
             continue
-        assert storage is not None
-        features = getattr(module, "num_features", 64) if module is not None else 64
-        key = (features, storage)
+        assert storage is not None and entry.facts is not None
+        mean = entry.facts.tensor("running_mean")
+        key = (mean.shape[0] if mean is not None and mean.shape else 64, storage)
         if key not in measured:
-            measured[key] = running_stats_error(features, storage)
+            measured[key] = running_stats_error(*key)
         error = measured[key]
         if error <= RUNNING_STATS_TOLERANCE:
             continue
@@ -280,12 +294,8 @@ def _running_statistics(plan: PrecisionPlan, backend: str | None) -> Iterator[Fi
         )
 
 
-_BATCH_NORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
-                          "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"})
-
-
-#: the backends whose wire dtypes the plan says (the plan's hook, or Lightning registering it)
-_AS_PLANNED = (None, "local", "lightning")
+#: where the plan's own comm dtypes are what is reported (no backend: what the plan asks)
+_AS_PLANNED = (None, "local")
 
 
 def _narrow_comm(plan: PrecisionPlan, backend: str | None,
@@ -326,6 +336,8 @@ def _bounded(type_path: str) -> bool:
     return name in _BOUNDED or name.endswith(("LayerNorm", "RMSNorm", "GroupNorm"))
 
 
+_BATCH_NORMS = frozenset({"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+                          "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"})
 _BOUNDED = frozenset({"LayerNorm", "RMSNorm", "GroupNorm", "Softmax", "LogSoftmax", "Softmin",
                       "Softmax2d", *_BATCH_NORMS})
 

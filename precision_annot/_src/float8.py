@@ -181,10 +181,31 @@ class Converted:
     added: tuple[str, ...]
     gemm: Gemm
     weight: nn.Parameter | None = None
+    guard: Any = None  # the handle of the export guard
 
 
-def commit(module: nn.Module, new: nn.Module, gemm: Gemm) -> Converted:
-    """Turn `module` into torchao's module `new` (from `build`) in place."""
+class _RefuseExport:
+    """A forward pre-hook on a converted layer: `torch.export` cannot trace torchao's fp8
+    training tensors (it fails with "Unable to cast NotImplemented to Tensor", naming nothing),
+    so it is refused with the layer's name and the way out. One check per call; eager and
+    `torch.compile` runs pass through."""
+
+    def __init__(self, name: str, recipe: str) -> None:
+        self.name = name
+        self.recipe = recipe
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_exporting():
+            raise RuntimeError(
+                f"torch.export cannot trace module {self.name or '(root)'!r}: it runs its GEMMs "
+                f"in fp8 (compute={self.recipe}) through torchao's fp8 training tensors, which "
+                "torch.export does not support. Export a copy planned without fp8 (annotate "
+                "its Linear layers compute=bf16 and apply again, or precision_annot.remove it);"
+                " torch.compile runs the fp8 plan.")
+
+
+def commit(module: nn.Module, new: nn.Module, gemm: Gemm, name: str = "") -> Converted:
+    """Turn `module` (named `name`) into torchao's module `new` (from `build`) in place."""
     d, theirs = module.__dict__, new.__dict__
     added = tuple(k for k in theirs if k not in d)
     for key in added:
@@ -195,7 +216,8 @@ def commit(module: nn.Module, new: nn.Module, gemm: Gemm) -> Converted:
         module._parameters["weight"] = new._parameters["weight"]
     original = type(module)
     module.__class__ = _fp8_class(type(new), original)
-    return Converted(original, added, gemm, weight)
+    guard = module.register_forward_pre_hook(_RefuseExport(name, gemm.recipe))
+    return Converted(original, added, gemm, weight, guard)
 
 
 def plain_class(module: nn.Module) -> type[nn.Module]:
@@ -206,6 +228,8 @@ def plain_class(module: nn.Module) -> type[nn.Module]:
 
 def revert(module: nn.Module, converted: Converted) -> None:
     """Give `module` its class back, with the same parameters (and gradients)."""
+    if converted.guard is not None:
+        converted.guard.remove()
     d = module.__dict__
     for key in converted.added:
         d.pop(key, None)
@@ -245,8 +269,11 @@ def _mx_class() -> type[nn.Module]:
         rows = input.numel() // max(input.shape[-1], 1) if input.dim() else 1
         if rows % MX_BLOCK and torch.is_grad_enabled() and (
                 input.requires_grad or weight.requires_grad):
+            state = self.__dict__.get("_precision_annot")
+            where = (f"module {state.name or '(root)'!r} (MXFP8Linear)" if state is not None
+                     else f"MXFP8Linear({self.in_features}, {self.out_features})")
             raise ValueError(
-                f"MXFP8Linear({self.in_features}, {self.out_features}): mxfp8 trains on "
+                f"{where}: mxfp8 trains on "
                 f"inputs whose rows (tokens: every dimension but the last) are a multiple of "
                 f"{MX_BLOCK}, because the weight gradient's GEMM is cut into MX blocks along "
                 f"them; this input has {rows} (shape {tuple(input.shape)}). Pad the batch, or "

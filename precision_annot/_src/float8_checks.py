@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from torch import nn
-
 from precision_annot._src.dtypes import FP8, dtype_name
 from precision_annot._src.execution import fp8_gemms
 from precision_annot._src.findings import Finding, listing
-from precision_annot._src.float8 import MX_BLOCK, Gemm, available, install_hint, plain_class
-from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.float8 import MX_BLOCK, Gemm, available, install_hint
+from precision_annot._src.plan import ModulePlan, PrecisionPlan
 
 __all__ = ["fp8_findings", "too_small"]
 
@@ -29,14 +27,20 @@ def too_small(gemm: Gemm, n: int, k: int) -> bool:
 
 
 def fp8_findings(plan: PrecisionPlan, backend: str | None) -> list[Finding]:
-    """The fp8 findings for `plan` (bound to its model) under `backend`."""
-    if not plan.has_model or not any(e.policy.gemm for e in plan.values()):
+    """The fp8 findings for `plan` under `backend`, from what `resolve` saw of each module (the
+    plan's facts), so a plan whose model is gone is checked alike."""
+    if not any(e.policy.gemm for e in plan.values()):
         return []
-    named = {n: m for n in plan if (m := plan.module(n)) is not None}
-    gemms = fp8_gemms(plan, named)
-    return [*_unavailable(gemms), *_refused(gemms, named), *_dims(gemms, named),
-            *_not_converted(plan, named, gemms), *_comm(plan, gemms, named, backend),
-            *_small(gemms, named)]
+    gemms = fp8_gemms(plan)
+    return [*_unavailable(gemms), *_refused(plan, gemms), *_dims(plan, gemms),
+            *_not_converted(plan, gemms), *_comm(plan, gemms, backend), *_small(plan, gemms)]
+
+
+def _shape(entry: ModulePlan) -> tuple[int, int]:
+    """A Linear's (in_features, out_features), from its weight's shape."""
+    weight = entry.facts.tensor("weight") if entry.facts is not None else None
+    out, in_ = weight.shape if weight is not None and len(weight.shape) == 2 else (0, 0)
+    return in_, out
 
 
 def _unavailable(gemms: dict[str, Gemm]) -> Iterator[Finding]:
@@ -48,8 +52,8 @@ def _unavailable(gemms: dict[str, Gemm]) -> Iterator[Finding]:
                       f"{install_hint}.", tuple(names))
 
 
-def _refused(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
-    own = [n for n in gemms if plain_class(named[n]).forward is not nn.Linear.forward]
+def _refused(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Finding]:
+    own = [n for n in gemms if plan[n].has("linear-forward")]
     if own:
         yield Finding("error", "fp8-linear-subclass", own[0],
                       f"{listing(own)} subclass nn.Linear with a forward of their own; torchao's "
@@ -66,54 +70,49 @@ def _refused(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Fi
                       tuple(wrong))
 
 
-def _linears(gemms: dict[str, Gemm], named: dict[str, nn.Module],
-             test: Callable[[Gemm, nn.Linear], bool]) -> tuple[list[str], nn.Linear | None]:
-    """The fp8 Linear layers for which `test` holds, by name, and the first of them."""
-    found: list[tuple[str, nn.Linear]] = []
-    for name, gemm in gemms.items():
-        module = named[name]
-        assert isinstance(module, nn.Linear)
-        if test(gemm, module):
-            found.append((name, module))
-    return [n for n, _ in found], (found[0][1] if found else None)
+def _linears(plan: PrecisionPlan, gemms: dict[str, Gemm],
+             test: Callable[[Gemm, int, int], bool]) -> tuple[list[str], tuple[int, int]]:
+    """The fp8 Linear layers for which `test(gemm, in_features, out_features)` holds, by name,
+    and the first one's (in_features, out_features)."""
+    found = [(name, _shape(plan[name])) for name, gemm in gemms.items()
+             if test(gemm, *_shape(plan[name]))]
+    return [n for n, _ in found], (found[0][1] if found else (0, 0))
 
 
-def _dims(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
-    def odd(gemm: Gemm, module: nn.Linear) -> bool:
+def _dims(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Finding]:
+    def odd(gemm: Gemm, in_: int, out: int) -> bool:
         block = MX_BLOCK if gemm.recipe == "mxfp8" else 16
-        return bool(module.in_features % block or module.out_features % block)
+        return bool(in_ % block or out % block)
 
-    bad, first = _linears(gemms, named, odd)
-    if first is not None:
+    bad, (in_, out) = _linears(plan, gemms, odd)
+    if bad:
         yield Finding(
             "error", "fp8-dims", bad[0],
             f"{listing(bad)} run fp8 GEMMs with a dimension not divisible by 16 (32 for mxfp8), "
-            f"e.g. {first.in_features} -> {first.out_features}: fp8 GPU kernels "
+            f"e.g. {in_} -> {out}: fp8 GPU kernels "
             "(torch._scaled_mm) refuse such shapes, so the first forward on a GPU fails. A CPU "
             "emulates fp8 and runs them, so CPU tests do not show it.",
             f"Keep them out of fp8: annotate(model, {{{bad[0]!r}: 'compute=bf16'}}) (or pad "
             "their dimensions to a multiple of 16).", tuple(bad))
 
 
-def _not_converted(plan: PrecisionPlan, named: dict[str, nn.Module],
-                   gemms: dict[str, Gemm]) -> Iterator[Finding]:
+def _not_converted(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Finding]:
     """fp8 planned on modules whose matrix multiplies no Linear conversion reaches: their own
     weights (GPT-2's Conv1D, fused MoE experts, a router holding its weight) stay in high
     precision, and so does a Linear its parent never calls (MultiheadAttention's out_proj)."""
     missed = []
     for name, entry in plan.items():
-        module = named[name]
-        if entry.policy.gemm is None or name in gemms or isinstance(module, nn.Embedding):
+        if entry.policy.gemm is None or name in gemms or entry.has("embedding"):
             continue
-        if any(p is not None and p.is_floating_point() and p.dim() >= 2
-               for p in module._parameters.values()):
+        if entry.facts is not None and any(t.dtype.is_floating_point and len(t.shape) >= 2
+                                           for t in entry.facts.params):
             missed.append(name)
-    for name, module in named.items():
-        if isinstance(module, nn.MultiheadAttention) and f"{name + '.' if name else ''}out_proj" \
-                in gemms:
-            missed.append(f"{name + '.' if name else ''}out_proj")
+    for name, entry in plan.items():
+        out_proj = f"{name + '.' if name else ''}out_proj"
+        if entry.has("multihead-attention") and out_proj in gemms:
+            missed.append(out_proj)
     if missed:
-        kinds = sorted({type(named[n]).__name__ for n in missed})
+        kinds = sorted({plan[n].type.rsplit(".", 1)[-1] for n in missed})
         yield Finding(
             "warning", "fp8-not-converted", missed[0],
             f"{listing(missed)} ({', '.join(kinds)}) are planned with fp8 GEMMs, but fp8 "
@@ -123,8 +122,8 @@ def _not_converted(plan: PrecisionPlan, named: dict[str, nn.Module],
             tuple(missed))
 
 
-def _comm(plan: PrecisionPlan, gemms: dict[str, Gemm], named: dict[str, nn.Module],
-          backend: str | None) -> Iterator[Finding]:
+def _comm(plan: PrecisionPlan, gemms: dict[str, Gemm], backend: str | None
+          ) -> Iterator[Finding]:
     fp8 = [n for n, e in plan.items() if e.policy.comm == FP8 and e.params]
     if not fp8 or backend in (None, "local", "lightning") or backend in _FP8_GATHER:
         return
@@ -149,14 +148,13 @@ def _comm(plan: PrecisionPlan, gemms: dict[str, Gemm], named: dict[str, nn.Modul
         "should reduce in.", tuple(fp8))
 
 
-def _small(gemms: dict[str, Gemm], named: dict[str, nn.Module]) -> Iterator[Finding]:
-    small, first = _linears(gemms, named, lambda gemm, module: too_small(
-        gemm, module.out_features, module.in_features))
-    if first is not None:
+def _small(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Finding]:
+    small, (in_, out) = _linears(plan, gemms, lambda gemm, k, n: too_small(gemm, n, k))
+    if small:
         yield Finding(
             "info", "fp8-small-gemm", small[0],
-            f"{listing(small)} run GEMMs too small for fp8 to gain (e.g. {first.in_features} "
-            f"-> {first.out_features}): by torchao's measurements, casting and scaling cost "
+            f"{listing(small)} run GEMMs too small for fp8 to gain (e.g. {in_} "
+            f"-> {out}): by torchao's measurements, casting and scaling cost "
             "more than the faster GEMM saves, so they run slower than in bf16.",
             f"Keep them in bf16 (annotate(model, {{{small[0]!r}: 'compute=bf16'}}) for each), "
             "as torchao's auto_filter_for_recipe would.", tuple(small))

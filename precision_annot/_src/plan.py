@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 import weakref
 from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias, get_args
@@ -16,7 +17,8 @@ from torch import nn
 from precision_annot._src.dtypes import SHORT, dtype_from_name, dtype_name, fp16
 from precision_annot._src.policy import FIELDS, Policy, is_boundary
 
-__all__ = ["ModulePlan", "PrecisionPlan", "Source", "nearest", "parent_name", "planned_bytes"]
+__all__ = ["TRAITS", "ModuleFacts", "ModulePlan", "PrecisionPlan", "Source", "TensorInfo",
+           "nearest", "parent_name", "planned_bytes"]
 
 Source: TypeAlias = Literal["instance", "rule", "class", "scope", "inherited", "default"]
 SOURCES: frozenset[str] = frozenset(get_args(Source))
@@ -50,6 +52,102 @@ def planned_bytes(numel: Mapping[torch.dtype, int], storage: torch.dtype | None
     return out
 
 
+#: What a module is, as far as a check needs to know once the model is gone.
+TRAITS: dict[str, str] = {
+    "linear": "an nn.Linear (or subclass): fp8 converts it",
+    "linear-forward": "an nn.Linear subclass with a forward of its own",
+    "embedding": "an nn.Embedding",
+    "running-stats": "a norm that tracks running statistics (BatchNorm)",
+    "multihead-attention": "an nn.MultiheadAttention, which calls its out_proj's weight itself",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One parameter or floating buffer a module holds, as `resolve` saw it: what `check` and
+    the memory figures need once the model is gone (a plan file, or a collected model).
+
+    Attributes:
+        name: its name in the module ("weight").
+        shape: its shape.
+        dtype: the dtype the plan holds it in: its module's storage for a parameter or a
+            persistent floating buffer, else its own.
+        buffer: True for a buffer.
+        trainable: a parameter's `requires_grad` (False for a buffer).
+        persistent: False for a buffer left out of the state dict.
+        tied: for a parameter held by several modules, the qualified name it has where it is
+            first seen (module order); None for the first holder and unshared ones.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    buffer: bool = False
+    trainable: bool = True
+    persistent: bool = True
+    tied: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape),
+                               "dtype": dtype_name(self.dtype)}
+        for key, default in (("buffer", False), ("trainable", not self.buffer),
+                             ("persistent", True), ("tied", None)):
+            if getattr(self, key) != default:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> TensorInfo:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be an object. Received: {data!r}")
+        name, shape, dtype = data.get("name"), data.get("shape"), data.get("dtype")
+        if not isinstance(name, str) or not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise ValueError(f"{where}: needs 'name' (a string) and 'shape' (a list of sizes). "
+                             f"Received: {data!r}")
+        buffer = bool(data.get("buffer", False))
+        return cls(name, tuple(shape), dtype_from_name(str(dtype), field=f"{where}.dtype"),
+                   buffer=buffer, trainable=bool(data.get("trainable", not buffer)),
+                   persistent=bool(data.get("persistent", True)),
+                   tied=data.get("tied") if isinstance(data.get("tied"), str) else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleFacts:
+    """What `resolve` saw of one module that a plan needs to be checked without the model:
+    its traits (`TRAITS`) and its own tensors."""
+
+    traits: frozenset[str] = frozenset()
+    tensors: tuple[TensorInfo, ...] = ()
+
+    @property
+    def params(self) -> tuple[TensorInfo, ...]:
+        return tuple(t for t in self.tensors if not t.buffer)
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"traits": sorted(self.traits), "tensors": [t.to_dict() for t in self.tensors]}
+
+    @classmethod
+    def from_dict(cls, data: object, where: str) -> ModuleFacts:
+        if not isinstance(data, dict) or not isinstance(data.get("traits", []), list) \
+                or not isinstance(data.get("tensors", []), list):
+            raise ValueError(f"{where} must be an object with lists 'traits' and 'tensors'. "
+                             f"Received: {data!r}")
+        unknown = [t for t in data.get("traits", []) if t not in TRAITS]
+        if unknown:
+            raise ValueError(f"{where}: unknown trait {unknown[0]!r}; valid: {list(TRAITS)}")
+        return cls(frozenset(data.get("traits", [])),
+                   tuple(TensorInfo.from_dict(t, f"{where}.tensors[{i}]")
+                         for i, t in enumerate(data.get("tensors", []))))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModulePlan:
     """One module's row of the plan: what was declared and what it resolved to.
@@ -68,6 +166,8 @@ class ModulePlan:
             (floating ones in its storage dtype, or the dtype they had when it sets none).
         regions: the function-form regions (`precision(...)(fn)`) its forward calls, by the
             function's qualified name.
+        facts: what `resolve` saw of the module (traits, tensors), so that the plan can be
+            checked once the model is gone; None in a plan file written without them.
     """
 
     name: str
@@ -79,6 +179,16 @@ class ModulePlan:
     boundary: bool = False
     numel: Mapping[torch.dtype, int] = dataclasses.field(default_factory=dict)
     regions: Mapping[str, Policy] = dataclasses.field(default_factory=dict)
+    facts: ModuleFacts | None = None
+
+    @property
+    def own_params(self) -> tuple[TensorInfo, ...]:
+        """Its own parameters as `resolve` saw them (none known without facts)."""
+        return self.facts.params if self.facts is not None else ()
+
+    def has(self, trait: str) -> bool:
+        """Whether `resolve` saw this trait (`TRAITS`) on the module (False when unknown)."""
+        return self.facts is not None and trait in self.facts.traits
 
     @property
     def params(self) -> int:
@@ -89,6 +199,26 @@ class ModulePlan:
     def param_dtype_bytes(self) -> dict[torch.dtype, int]:
         """Bytes of its own parameters by the dtype the plan stores them in."""
         return planned_bytes(self.numel, self.policy.storage)
+
+    @property
+    def stored(self) -> torch.dtype | None:
+        """The one floating dtype its own parameters are stored in under the plan; None when
+        it holds none (or several: integer parameters are not counted)."""
+        floating = {d for d in self.param_dtype_bytes if d.is_floating_point}
+        return floating.pop() if len(floating) == 1 else None
+
+    @property
+    def trainable_dtype_bytes(self) -> dict[torch.dtype, int]:
+        """Bytes of its own trainable floating parameters (each counted at its first holder)
+        by planned storage dtype: the gradients a backend reduces for it. Without facts (an
+        old plan file), every floating parameter counts."""
+        if self.facts is None:
+            return {d: n for d, n in self.param_dtype_bytes.items() if d.is_floating_point}
+        out: dict[torch.dtype, int] = {}
+        for t in self.facts.params:
+            if t.trainable and t.tied is None and t.dtype.is_floating_point:
+                out[t.dtype] = out.get(t.dtype, 0) + t.numel * t.dtype.itemsize
+        return out
 
     @property
     def param_bytes(self) -> int:
@@ -119,6 +249,7 @@ class ModulePlan:
             "param_dtype_bytes": {dtype_name(d): n for d, n in self.param_dtype_bytes.items()},
             "numel": {dtype_name(d): n for d, n in self.numel.items()},
             "regions": {fn: str(p) for fn, p in self.regions.items()},
+            **({} if self.facts is None else {"facts": self.facts.to_dict()}),
         }
 
     @classmethod
@@ -183,9 +314,11 @@ class ModulePlan:
             numel = {d: n // d.itemsize for d, n in by_dtype.items()}
         regions = {fn: policy_of(text, f"'regions'[{fn!r}]")
                    for fn, text in get("regions", dict, {}).items()}
+        facts = (ModuleFacts.from_dict(data["facts"], f"{where}: 'facts'")
+                 if data.get("facts") is not None else None)
         entry = cls(name=name, type=type_name, policy=policy, sources=sources,
                     keep_dtype=tuple(keep), container=get("container", bool, False),
-                    numel=numel, regions=regions)
+                    numel=numel, regions=regions, facts=facts)
         if entry.param_dtype_bytes != by_dtype or entry.params != counts["params"]:
             raise ValueError(
                 f"{where}: 'numel' ({_show(numel)}) under storage "
@@ -371,6 +504,13 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         return PrecisionPlan(entries, default=self.default, model_type=self.model_type,
                              modules=self.modules())
 
+    def with_facts(self, facts: Mapping[str, ModuleFacts]) -> PrecisionPlan:
+        """A copy with these rows' `facts` set (the same policies, holding the same model)."""
+        entries = {n: dataclasses.replace(e, facts=facts[n]) if n in facts else e
+                   for n, e in self._entries.items()}
+        return PrecisionPlan(entries, default=self.default, model_type=self.model_type,
+                             modules=self.modules())
+
     def module(self, name: str) -> nn.Module | None:
         """The module named `name`, if the plan was resolved from a model that is still alive."""
         ref = self._refs.get(name)
@@ -380,6 +520,13 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         """name -> module, for a plan resolved from a model that is still alive; else empty."""
         out = {name: ref() for name, ref in self._refs.items()}
         return {n: m for n, m in out.items() if m is not None} if self.has_model else {}
+
+    @property
+    def captured(self) -> bool:
+        """True when every row holds what `resolve` saw of its module (`ModulePlan.facts`), so
+        the plan can be checked without the model; False for a plan file written without
+        them (precision_annot 0.3 and older)."""
+        return all(e.facts is not None for e in self._entries.values())
 
     @property
     def has_model(self) -> bool:

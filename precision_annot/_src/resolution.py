@@ -20,7 +20,7 @@ import dataclasses
 import inspect
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,14 @@ from torch import nn
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.float8 import MX_HIGH, mx_compute_error, plain_class
 from precision_annot._src.guards import paused_gc, require_module, warn
-from precision_annot._src.plan import ModulePlan, PrecisionPlan, Source, parent_name
+from precision_annot._src.plan import (
+    ModuleFacts,
+    ModulePlan,
+    PrecisionPlan,
+    Source,
+    TensorInfo,
+    parent_name,
+)
 from precision_annot._src.policy import (
     FIELDS,
     Policy,
@@ -99,6 +106,7 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
     first: dict[int, _Path] = {}  # id(module) -> its first path
     paths: dict[str, _Path] = {}
     tied: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None]] = {}
+    first_names: dict[int, str] = {}  # id(parameter) -> the qualified name first seen as
     for name, module in model.named_modules(remove_duplicate=False):
         parent = paths[parent_name(name)] if name else None
         policy, sources = _fields(module, parent, fallback)
@@ -118,15 +126,17 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
                 stored = policy.storage if policy.storage and p.is_floating_point() else p.dtype
                 numel[stored] = numel.get(stored, 0) + p.numel()
         keep = _keep_dtype(module)
+        cls = plain_class(module)
         entries[name] = ModulePlan(
             name=name,
-            type=f"{(cls := plain_class(module)).__module__}.{cls.__qualname__}",
+            type=f"{cls.__module__}.{cls.__qualname__}",
             policy=policy,
             sources=sources,
             keep_dtype=keep,
             container=container,
             numel=numel,
             regions=function_regions(module),
+            facts=module_facts(module, name, policy.storage, first_names),
         )
         modules[name] = module
     if fallback is not None:
@@ -135,6 +145,57 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
     return PrecisionPlan(
         entries, default=fallback, model_type=type(model).__qualname__, modules=modules
     )
+
+
+def module_facts(module: nn.Module, name: str, storage: torch.dtype | None,
+                 seen: dict[int, str]) -> ModuleFacts:
+    """What a plan keeps of one module (named `name`, stored in `storage`) for checks made
+    without the model: its traits and its own tensors, each in the dtype the plan holds it in
+    (runtime rule 1). `seen` maps each parameter already met (modules walked in order) to its
+    first qualified name, so a tied parameter names its first holder."""
+    infos = []
+    for pname, p in module.named_parameters(recurse=False):
+        qualified = f"{name}.{pname}" if name else pname
+        first = seen.setdefault(id(p), qualified)
+        dtype = storage if storage is not None and p.is_floating_point() else p.dtype
+        infos.append(TensorInfo(pname, tuple(p.shape), dtype, trainable=p.requires_grad,
+                                tied=None if first == qualified else first))
+    non_persistent = module._non_persistent_buffers_set
+    for bname, b in dict.items(module._buffers):
+        if b is not None and b.is_floating_point():
+            persistent = bname not in non_persistent
+            dtype = storage if storage is not None and persistent else b.dtype
+            infos.append(TensorInfo(bname, tuple(b.shape), dtype, buffer=True,
+                                    trainable=False, persistent=persistent))
+    return ModuleFacts(_traits(module, plain_class(module)), tuple(infos))
+
+
+def capture(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> PrecisionPlan:
+    """`plan` with what `resolve` sees of each module filled in from the live model `named`
+    where the plan lacks it (a plan file written by precision_annot 0.3 or older)."""
+    if plan.captured:
+        return plan
+    seen: dict[int, str] = {}
+    facts = {n: module_facts(named[n], n, e.policy.storage, seen)
+             for n, e in plan.items() if n in named}
+    return plan.with_facts(facts)
+
+
+def _traits(module: nn.Module, cls: type[nn.Module]) -> frozenset[str]:
+    """The `TRAITS` of a module whose class, as the user built it, is `cls`."""
+    traits = []
+    if issubclass(cls, nn.Linear):
+        traits.append("linear")
+        if cls.forward is not nn.Linear.forward:
+            traits.append("linear-forward")
+    if isinstance(module, nn.Embedding):
+        traits.append("embedding")
+    if isinstance(module, nn.MultiheadAttention):
+        traits.append("multihead-attention")
+    if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats \
+            and module.running_mean is not None:
+        traits.append("running-stats")
+    return frozenset(traits)
 
 
 def _levels(module: nn.Module, parent: _Path | None, fallback: Policy | None

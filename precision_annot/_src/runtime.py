@@ -10,13 +10,16 @@ writes to a module's `__dict__`, `_parameters` and `_buffers`; the model's root 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_annot._src import float8
 from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
@@ -25,11 +28,11 @@ from precision_annot._src.execution import Execution, Key, Kind, Site, compile_p
 from precision_annot._src.guards import paused_gc, require_module, require_plan, warn
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import SpecLike
-from precision_annot._src.resolution import is_container, resolve
+from precision_annot._src.resolution import capture, is_container, resolve
 from precision_annot._src.wrappers import unwrap
 
-__all__ = ["AppliedState", "ModuleState", "apply", "applied_plan", "check_matches",
-           "find_boundary", "installed_boundaries", "plan_of", "remove"]
+__all__ = ["AppliedState", "ModuleState", "Subject", "apply", "applied_plan", "check_matches",
+           "find_boundary", "installed_boundaries", "plan_of", "remove", "subject"]
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -48,6 +51,7 @@ class AppliedState:
     execution: Execution
     originals: dict[Key, torch.dtype]
     drift_warned: bool = False
+    resolved: bool = True  # the plan was resolved from the annotations, not given
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
@@ -201,7 +205,7 @@ class ModuleState:
     def convert(self, gemm: float8.Gemm) -> None:
         """Turn this Linear into torchao's fp8 module for `gemm`, in place."""
         self.converted = float8.commit(self.module, float8.build(self.module, gemm, self.name),
-                                       gemm)
+                                       gemm, self.name)
 
     # -- installing -------------------------------------------------------------------------
     def install(self, site: Site | None, casting: Mapping[Kind, tuple[Region, frozenset[str]]],
@@ -345,6 +349,57 @@ def plan_of(model: nn.Module, default: SpecLike | None = None, *, where: str = "
     return applied
 
 
+@dataclasses.dataclass(frozen=True)
+class Subject:
+    """What an entry point that takes "a model or its plan" was given, worked out once.
+
+    Attributes:
+        plan: the plan: the one applied to the model, else its annotations resolved; or the
+            plan given. It holds what `resolve` saw of each module (`PrecisionPlan.captured`)
+            whenever the model is here to see.
+        model: the model inside any wrapper; None for a plan whose model is gone (collected, or
+            a plan file).
+        wrapped: the wrapper the caller passed (`DistributedDataParallel`, FSDP1, a compiled
+            module), else None.
+    """
+
+    plan: PrecisionPlan
+    model: nn.Module | None
+    wrapped: nn.Module | None
+
+    def require_facts(self, where: str, what: str) -> None:
+        """Raise when the plan cannot say what `what` needs and there is no model to look at."""
+        if not self.plan.captured:
+            raise ValueError(
+                f"{where} needs what resolve saw of each module (classes, shapes, tied and "
+                f"frozen parameters) to check {what}, and this plan holds none: it was written "
+                "by precision_annot 0.3 or older, and its model is not here. Pass the model, "
+                "or write the plan again with this version (plan.to_json(), or "
+                "precision-annot report --json).")
+
+
+def subject(model_or_plan: object, where: str, *, default: SpecLike | None = None,
+            argument: str = "model_or_plan") -> Subject:
+    """The plan, model and wrapper an entry point works on, from a model (seen through its
+    wrappers; the plan `apply` made real on it, else its annotations resolved with `default`)
+    or a `PrecisionPlan` (with its model while that is alive)."""
+    if isinstance(model_or_plan, nn.Module):
+        model = unwrap(model_or_plan)
+        plan = plan_of(model, default, where=where)
+        named = plan.modules() if plan.has_model else dict(model.named_modules())
+        return Subject(capture(plan, named), model,
+                       model_or_plan if model_or_plan is not model else None)
+    if isinstance(model_or_plan, PrecisionPlan):
+        if not model_or_plan.has_model:
+            return Subject(model_or_plan, None, None)
+        return Subject(capture(model_or_plan, model_or_plan.modules()),
+                       model_or_plan.module(""), None)
+    raise TypeError(
+        f"{where}: {argument} must be an nn.Module or a PrecisionPlan. "
+        f"Received: {model_or_plan!r} (of type {type(model_or_plan).__name__})"
+    )
+
+
 # -- the target state -----------------------------------------------------------------------------
 
 def check_matches(plan: PrecisionPlan, named: dict[str, nn.Module]) -> None:
@@ -467,8 +522,11 @@ def apply(
 
     Args:
         model: the module tree (a wrapper such as `torch.compile`'s is seen through).
-        plan: a plan from `resolve` or `PrecisionPlan.from_json`; resolved from `model` when
-            None. (Default: None)
+        plan: a plan from `resolve` or `PrecisionPlan.from_json`; when None, `model`'s
+            annotations resolved with `default`. On a model already applied, `apply(model)`
+            re-applies as it was applied: the plan it was given, or its annotations resolved
+            with the default it was given then (a new annotation is taken up); so it restores
+            the plan after `model.half()`. (Default: None)
         default: the root's defaults, used only when `plan` is None. (Default: None)
         check_finite: raise `FloatingPointError` naming the module and the direction when a
             non-finite value crosses a boundary or leaves the root; for debugging: it syncs,
@@ -487,8 +545,17 @@ def apply(
         torch.bfloat16
     """
     require_module(model, "apply")
+    resolved = plan is None
     if plan is None:
-        plan = resolve(model, default)
+        # an applied model keeps how its plan was made: apply(model) after model.half()
+        # restores it, from the annotations with the default it was applied with (so a new
+        # annotation is taken up), or the plan it was given as it was
+        state: AppliedState | None = unwrap(model).__dict__.get(_STATE_ATTR)
+        if state is not None and default is None and not state.resolved:
+            plan, resolved = applied_plan(model), False
+        else:
+            plan = resolve(model, default if default is not None or state is None
+                           else state.plan.default)
     elif default is not None:
         raise ValueError(
             "apply got both plan= and default=; default is only used to resolve a plan. "
@@ -498,17 +565,21 @@ def apply(
         require_plan(plan, "apply")
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
+    assert plan is not None
     with paused_gc():
-        _apply(unwrap(model), plan, check_finite)
+        _apply(unwrap(model), plan, check_finite, resolved)
     return model
 
 
-def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool) -> None:
+def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: bool) -> None:
     named = dict(root.named_modules())
     check_matches(plan, named)
     plan = _for_model(plan, named)
     execution = compile_plan(plan, named, check=check_finite)
-    if _is_real(root.__dict__.get(_STATE_ATTR), plan, execution, named):
+    current_state = root.__dict__.get(_STATE_ATTR)
+    if _is_real(current_state, plan, execution, named):
+        assert current_state is not None
+        current_state.resolved = resolved
         return
 
     # Prepare everything that can fail (the casts, fp8 conversions) before changing anything.
@@ -532,11 +603,13 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool) -> None:
     states = {name: ModuleState(module, name) for name, module in named.items()}
     for (name, kind, tname), _, cast in prepared:
         states[name].cast(kind, tname, cast)
+    _STALE.note([(tensor, current[key], f"{key[0]}.{key[2]}" if key[0] else key[2])
+                 for key, tensor, _ in prepared if key[1] == "param"])
     if execution.gemms:
         float8.prepare_compile()
     for name, gemm in execution.gemms.items():
         states[name].convert(gemm)
-    state = AppliedState(plan, execution, originals)
+    state = AppliedState(plan, execution, originals, resolved=resolved)
     casting: dict[str, dict[Kind, tuple[Region, frozenset[str]]]] = {}
     for (name, kind), entry in execution.casting.items():
         casting.setdefault(name, {})[kind] = entry
@@ -548,6 +621,61 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool) -> None:
                              execution.reprs.get(name), tuple(planned.get(name, ())), state)
     root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
     object.__setattr__(root, _STATE_ATTR, state)
+
+
+# -- optimizers built before apply ---------------------------------------------------------------
+
+class _StaleState:
+    """Parameters whose dtype an `apply` changed, and the check that an optimizer built before
+    that does not step on state kept in the old dtype (torch's own error there, "expected
+    dtype float for `end` but got dtype c10::BFloat16", names neither the parameter nor the
+    cause). One global optimizer step pre-hook, registered at the first such apply: per step
+    it costs a dictionary lookup, and it walks an optimizer's state once per apply."""
+
+    def __init__(self) -> None:
+        # keyed by identity: a tensor's == is elementwise
+        self.changed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.generation = 0
+        self.handle: Any = None
+
+    def note(self, params: list[tuple[torch.Tensor, torch.dtype, str]]) -> None:
+        if not params:
+            return
+        for param, old, name in params:
+            self.changed[param] = (old, name)
+        self.generation += 1
+        if self.handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self.handle = register_optimizer_step_pre_hook(self)
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.checked.get(optimizer) == self.generation:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                said: tuple[torch.dtype, str] | None = self.changed.get(param)  # type: ignore[no-untyped-call]
+                state = optimizer.state.get(param) if said is not None else None
+                if not state or said is None:
+                    continue
+                old, name = said
+                stale = [k for k, v in state.items() if isinstance(v, torch.Tensor)
+                         and v.dtype == old != param.dtype and v.shape == param.shape]
+                if stale:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__}.step(): it holds state for parameter "
+                        f"{name!r} ({', '.join(stale)} in {dtype_name(old)}) built before "
+                        f"precision_annot.apply stored that parameter in "
+                        f"{dtype_name(param.dtype)}, and its update mixes the two. Build the "
+                        "optimizer after apply; or, to keep its state, load it into the new "
+                        "one (new.load_state_dict(old.state_dict()) casts the state to each "
+                        "parameter's dtype).")
+        with contextlib.suppress(TypeError):  # not weak-referenceable: checked at every step
+            self.checked[optimizer] = self.generation
+
+
+_STALE = _StaleState()
 
 
 def remove(model: M) -> M:

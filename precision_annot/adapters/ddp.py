@@ -141,7 +141,7 @@ def buckets(plan: PrecisionPlan, *, bucket_cap_mb: float | None = None) -> list[
     done: dict[torch.dtype, int] = {}
     out = []
     for name, entry in reversed(list(plan.items())):
-        for dtype, size in entry.param_dtype_bytes.items():
+        for dtype, size in entry.trainable_dtype_bytes.items():  # DDP reduces these alone
             names, total, comms = open_.setdefault(dtype, ([], 0, set()))
             names.append(name)
             comms.add(entry.policy.grad_comm or dtype)
@@ -196,8 +196,7 @@ def reduced(plan: PrecisionPlan, ddp_model: nn.Module | None = None
     """What DDP will reduce each parameter-holding module's gradients in, and why: with the
     plan's hook as planned, with none in their parameters' dtype, with DDP's own compress
     hooks in fp16 or bf16; (None, why) for a hook this library does not know, or no model."""
-    stored = {n: next(iter(e.param_dtype_bytes)) for n, e in plan.items()
-              if e.params and len(e.param_dtype_bytes) == 1}
+    stored = {n: e.stored for n, e in plan.items() if e.stored is not None}  # floating only
     if ddp_model is None:
         return None, "no DDP model was given"
     hooks = registered_hooks(ddp_model) or []

@@ -47,7 +47,7 @@ from precision_annot._src.findings import Finding, drift
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import Policy
-from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.runtime import apply, subject
 from precision_annot._src.wrappers import unwrap
 
 __all__ = ["DeepSpeedPlan", "findings", "given_config", "prepare", "read_config", "reduced",
@@ -103,15 +103,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
     is said once, by a `UserWarning` naming the byte cost (`warn=False`: not said)."""
     if isinstance(model_or_plan, DeepSpeedPlan):
         return model_or_plan
-    if isinstance(model_or_plan, nn.Module):
-        plan = plan_of(model_or_plan)
-    elif isinstance(model_or_plan, PrecisionPlan):
-        plan = model_or_plan
-    else:
-        raise TypeError(
-            "Expected an nn.Module or a PrecisionPlan. "
-            f"Received: {model_or_plan!r} (of type {type(model_or_plan).__name__})"
-        )
+    plan = subject(model_or_plan, "deepspeed").plan
     storages = {plan[n].policy.storage for n in _param_entries(plan)}
     moved: dict[str, Policy] = {}
     extra = 0
@@ -594,7 +586,7 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
     Raises:
         ValueError: for a config DeepSpeed could not read at all (bad input, not a finding).
     """
-    plan = plan_of(model_or_plan) if isinstance(model_or_plan, nn.Module) else model_or_plan
+    plan = subject(model_or_plan, "deepspeed.findings").plan
     dsp = translate(plan, warn=False)
     config, stage = given_config(dsp, base)
     out = [*_refusals(dsp, config, stage)]
@@ -638,6 +630,18 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
             "communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']\").",
             "Leave it out, or give one of 'fp16', 'bf16', 'fp32'; to_config(plan, config) "
             "fills it from the plan.")
+    refused_auto = unresolved_auto(config)
+    if refused_auto:
+        keys = [k for k, _ in refused_auto]
+        yield Finding(
+            "error", "deepspeed-auto", "",
+            f"{_REFUSES} \"auto\" at {', '.join(keys)} ({refused_auto[0][1]}): \"auto\" is "
+            "filled by Hugging Face's Trainer and Accelerate before they start DeepSpeed, and "
+            "DeepSpeed itself resolves it only inside its own sections (zero_optimization, "
+            "bf16, fp16), not in these keys.",
+            f"Give {', '.join(keys)} values, or launch through transformers' Trainer or "
+            "Accelerate, which fill them; to_config(plan, config) fills the precision keys "
+            "only.")
     refusal = _fp16_zero_refusal(dsp, stage)
     if refusal:
         yield Finding("error", "deepspeed-fp16-zero", "",
@@ -657,6 +661,56 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
         except (TypeError, ValueError) as e:
             yield Finding("error", "deepspeed-config", "", f"{e}. {_CONSEQUENCE}",
                           "Change the config or the plan's annotations, as the message says.")
+
+
+#: "auto" values DeepSpeed's engine reads as they are after its config parser let them through
+#: (seen with deepspeed 0.19.8: `'>' not supported between instances of 'str' and 'float'` for
+#: gradient_clipping; "warmup_num_steps must be a positive integer, got auto")
+_ENGINE_AUTO = ("gradient_clipping", "scheduler.params.")
+
+
+def _auto_paths(value: Any, path: str = "") -> Iterator[str]:
+    """The dotted paths of the "auto" values in a config."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _auto_paths(item, f"{path}.{key}" if path else str(key))
+    elif value == "auto":
+        yield path
+
+
+def unresolved_auto(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The "auto" values of `config` that DeepSpeed refuses, with why: each is asked of
+    DeepSpeed's own config parser alone (inside its sections it resolves "auto" to the default;
+    the batch sizes it reads as they are), and the engine's own reads (`_ENGINE_AUTO`) are
+    refused as seen. The precision keys `to_config` fills are left to it."""
+    paths = [p for p in _auto_paths(config) if p.split(".")[0] not in _PRECISION_SECTIONS
+             and p != "communication_data_type"]
+    if not paths:
+        return []
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:  # not installed here: only the engine's reads are known
+        DeepSpeedConfig = None
+    out = []
+    for path in paths:
+        if path.startswith(_ENGINE_AUTO) or path == _ENGINE_AUTO[0]:
+            out.append((path, "its engine reads it as a number"))
+            continue
+        if DeepSpeedConfig is None:
+            continue
+        probe: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        *parents, leaf = path.split(".")
+        at = probe
+        for part in parents:
+            at = at.setdefault(part, {})
+        at[leaf] = "auto"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                DeepSpeedConfig(probe)
+        except Exception as e:
+            out.append((path, f"{type(e).__name__}: {e}"[:160]))
+    return out
 
 
 _REFUSES = "DeepSpeed refuses to start with"

@@ -26,32 +26,16 @@ from precision_annot._src.dtypes import FP8_RECIPES, dtype_name, fp32
 from precision_annot._src.execution import fp8_gemms
 from precision_annot._src.float8 import Gemm, config, plain_class
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.runtime import plan_of
-from precision_annot._src.wrappers import unwrap
+from precision_annot._src.runtime import subject
 
 __all__ = ["BackendSettings", "ao_recipe_kwargs", "float8_config", "megatron_args",
            "module_filter", "te_settings"]
 
 
-def _plan_and_model(model_or_plan: nn.Module | PrecisionPlan
-                    ) -> tuple[PrecisionPlan, dict[str, nn.Module]]:
-    if isinstance(model_or_plan, PrecisionPlan):
-        plan = model_or_plan
-        named = {n: m for n in plan if (m := plan.module(n)) is not None}
-        if len(named) != len(plan):
-            raise ValueError("This plan is not bound to a model (it was loaded from JSON): pass "
-                             "the model, or plan.bound_to(dict(model.named_modules())).")
-        return plan, named
-    if not isinstance(model_or_plan, nn.Module):
-        raise TypeError("model_or_plan must be an nn.Module or a PrecisionPlan. Received: "
-                        f"{type(model_or_plan).__name__}")
-    model = unwrap(model_or_plan)
-    return plan_of(model), dict(model.named_modules())
-
-
 def _gemms(model_or_plan: nn.Module | PrecisionPlan) -> dict[str, Gemm]:
-    plan, named = _plan_and_model(model_or_plan)
-    return fp8_gemms(plan, named)
+    given = subject(model_or_plan, "fp8")
+    given.require_facts("fp8", "which layers are Linear")
+    return fp8_gemms(given.plan)
 
 
 def _one_gemm(gemms: dict[str, Gemm], what: str) -> Gemm:
@@ -162,8 +146,9 @@ def megatron_args(model: nn.Module, plan: PrecisionPlan | None = None) -> Backen
     and `moe_router_dtype`. Megatron keeps embeddings, the output layer, norms and routers out
     of fp8 and converts whole transformer layers, so a plan that keeps part of a layer in high
     precision, or puts the LM head in fp8, is listed in `unexpressed`."""
-    plan = plan_of(unwrap(model)) if plan is None else plan
-    named = dict(unwrap(model).named_modules())
+    given = subject(model, "fp8")
+    plan = given.plan if plan is None else plan
+    named = dict(given.model.named_modules()) if given.model is not None else {}
     gemms = fp8_gemms(plan, named)
     unexpressed: list[str] = []
     recipes = sorted({g.recipe for g in gemms.values()})
@@ -223,8 +208,9 @@ def te_settings(model: nn.Module, plan: PrecisionPlan | None = None) -> BackendS
     `te.fp8_autocast(enabled=False)` inside the model's `fp8_autocast`: the outermost modules
     holding Linear layers, none of them fp8. (TE runs fp8 only in its own `te.Linear` layers:
     build those where the plan says fp8.)"""
-    plan = plan_of(unwrap(model)) if plan is None else plan
-    named = dict(unwrap(model).named_modules())
+    given = subject(model, "fp8")
+    plan = given.plan if plan is None else plan
+    named = dict(given.model.named_modules()) if given.model is not None else {}
     gemms = fp8_gemms(plan, named)
     unexpressed: list[str] = []
     recipes = sorted({g.recipe for g in gemms.values()})

@@ -109,6 +109,7 @@ class Unit:
         param_dtype: the dtype it is gathered in (None: its storage).
         reduce_dtype: the dtype its gradients are reduced in (None: its storage).
         output_dtype: the dtype its outputs leave in, from the plan's `output`.
+        holders: the members that hold parameters.
     """
 
     name: str
@@ -118,6 +119,7 @@ class Unit:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     output_dtype: torch.dtype | None
+    holders: tuple[str, ...] = ()
 
 
 def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
@@ -144,6 +146,7 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
             reduce_dtype=(widest(plan[m].policy.grad_comm for m in holders)
                           or plan[name].policy.grad_comm),
             output_dtype=plan[name].policy.output,
+            holders=tuple(holders),
         ))
     return out
 
@@ -428,15 +431,18 @@ def reduced(plan: PrecisionPlan, names: list[str]) -> dict[str, torch.dtype]:
     """What FSDP reduces each parameter-holding module's gradients in, sharded into the units
     `names` (as `unit_names` gives them): its unit's reduce dtype, the widest comm of the
     unit's members (its storage where none sets one)."""
+    return _reduced(plan_units(plan, names), plan)
+
+
+def _reduced(units: list[Unit], plan: PrecisionPlan | None = None) -> dict[str, torch.dtype]:
     out: dict[str, torch.dtype] = {}
-    for unit in plan_units(plan, names):
+    for unit in units:
         floating = [d for d in unit.storage if d.is_floating_point]
         dtype = unit.reduce_dtype or (floating[0] if len(floating) == 1 else None)
         if dtype is None:
             continue
-        for member in unit.members:
-            if plan[member].params:
-                out[member] = dtype
+        for member in unit.holders:
+            out[member] = dtype
     return out
 
 
@@ -447,38 +453,89 @@ def _fix(backend: str) -> str:
             "mixed_precision=fsdp.mixed_precision(plan), device_id=torch.device('cpu'))")
 
 
+def sharded_units(plan: PrecisionPlan, model: nn.Module) -> list[Unit] | None:
+    """The units a model already sharded (by FSDP2's `fully_shard` or FSDP1's wrapper, ours or
+    the user's own) really has, with the dtypes its `MixedPrecisionPolicy` (or FSDP1's
+    `MixedPrecision`) really gathers and reduces in; None for a model not sharded yet.
+
+    NOTE: reads the mixed-precision settings FSDP keeps on each unit: FSDP2's state
+    (`_get_fsdp_state()._mp_policy`, no public getter) and FSDP1's `mixed_precision`."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    live: dict[str, tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            mp = module._get_fsdp_state()._mp_policy
+            live[plan_name(name)] = (mp.param_dtype, mp.reduce_dtype, mp.output_dtype)
+        elif isinstance(module, FullyShardedDataParallel):
+            mp1 = module.mixed_precision
+            live[plan_name(name)] = (mp1.param_dtype, mp1.reduce_dtype, None)
+    if not live:
+        return None
+    names = sorted((n for n in live if n in plan), key=lambda n: -(n.count(".") + 1 if n else 0))
+    if "" not in names:
+        names.append("")  # what no unit holds stays with the root, unsharded
+    out = []
+    for unit in plan_units(plan, names):
+        gather, reduce, output = live.get(unit.name, (None, None, None))
+        out.append(dataclasses.replace(unit, param_dtype=gather,
+                                       reduce_dtype=reduce or gather, output_dtype=output))
+    return out
+
+
 def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | None = None,
              units: Iterable[Selector] | None = None, merge_below: float | None = None,
              latency_s: float = LATENCY_S, bandwidth: float = BANDWIDTH,
              use_orig_params: bool = False) -> list[Finding]:
     """What FSDP (2, or 1 with backend="fsdp1") will refuse, narrow, widen or run badly for
     this plan, sharded as `fully_shard(model, plan, units=units, merge_below=merge_below)` (or
-    `wrap_policy` and `mixed_precision`) would shard it. `model` (the plan's own model when it
-    holds one) lets tied and frozen parameters be seen; `use_orig_params` is FSDP1's."""
+    `wrap_policy` and `mixed_precision`) would shard it, or, for a `model` already sharded, as
+    it is sharded (its units and their mixed-precision settings, whoever chose them). Tied
+    and frozen parameters are read off the plan; `use_orig_params` is FSDP1's."""
     require_plan(plan, "findings")
     model = model if model is not None else plan.module("")
     units = None if units is None else list(units)
-    names = unit_names(plan, model, units, merge_below=merge_below)
-    shards = plan_units(plan, names)
+    live = sharded_units(plan, model) if model is not None else None
+    names = [u.name for u in live] if live is not None else unit_names(
+        plan, model, units, merge_below=merge_below)
+    shards = live if live is not None else plan_units(plan, names)
     out = [Finding("error", "fsdp-mixed-unit", unit.name,
                    f"This FSDP unit {_mixed_message(detail)} FSDP refuses it at the first "
                    "forward (\"FSDP expects uniform original parameter dtype\").", MIXED_FIX)
            for unit, detail in _mixed(shards, plan)]
     if backend == "fsdp1":
         out += _integer_parameters(plan, shards)
-    if model is not None:
-        out += _tied_across_units(plan, model, shards, backend)
-        if backend == "fsdp1":
-            out += _frozen_beside_trainable(plan, model, shards, use_orig_params)
+    out += _tied_across_units(plan, shards, backend)
+    if backend == "fsdp1":
+        out += _frozen_beside_trainable(plan, shards, use_orig_params)
     where = "FSDP2" if backend == "fsdp" else "FSDP1"
-    out += drift(plan, "comm", reduced(plan, names), code="fsdp-unit-comm", backend=where,
-                 cause="FSDP reduces each unit's gradients in one dtype, the widest comm of the "
-                       "unit's members", fix=f"Make each of them a unit of its own: {_fix(backend)}"
+    if live is not None:
+        out += _gathered(plan, live, where)
+    out += drift(plan, "comm", _reduced(shards), code="fsdp-unit-comm", backend=where,
+                 cause="FSDP reduces each unit's gradients in one dtype, "
+                       + ("its reduce_dtype (else its param_dtype)" if live is not None else
+                          "the widest comm of the unit's members"),
+                 fix=f"Make each of them a unit of its own: {_fix(backend)}"
                  " with units naming them, or give the unit one comm dtype.")
-    out += _small_units(plan, model, units, names, backend, latency_s, bandwidth)
+    if live is None:
+        out += _small_units(plan, model, units, names, backend, latency_s, bandwidth)
     return out
 
 
+def _gathered(plan: PrecisionPlan, live: list[Unit], where: str) -> list[Finding]:
+    """A sharded unit that gathers its parameters in another dtype than its members compute
+    in: narrower, the members planned wider see narrow weights (an fp32 island's forward
+    raises a DriftError: its parameters are no longer in their planned dtype); wider, more
+    bytes are gathered than planned."""
+    actual = {m: unit.param_dtype for unit in live if unit.param_dtype is not None
+              for m in unit.members if plan[m].params and plan[m].policy.compute is not None}
+    return drift(plan, "compute", actual, code="fsdp-param-dtype", backend=where,
+                 cause="each unit gathers its parameters in its mixed-precision param_dtype, "
+                       "and a module computes in the dtype its weights are gathered in (an "
+                       "island planned wider raises a DriftError at its first forward)",
+                 fix=f"Shard with the plan's own policies: "
+                     f"{_fix('fsdp' if where == 'FSDP2' else 'fsdp1')}, or give these modules "
+                     "units whose param_dtype is their compute.")
 def _integer_parameters(plan: PrecisionPlan, shards: list[Unit]) -> list[Finding]:
     bad = [unit for unit in shards if any(not d.is_floating_point for d in unit.storage)]
 
@@ -494,26 +551,22 @@ def _integer_parameters(plan: PrecisionPlan, shards: list[Unit]) -> list[Finding
         for unit in bad]
 
 
-def _owners(model: nn.Module, plan: PrecisionPlan, shards: list[Unit]
-            ) -> dict[int, list[tuple[str, str]]]:
-    """Each parameter's owners, as (qualified name, unit)."""
+def _owners(plan: PrecisionPlan, shards: list[Unit]) -> dict[str, list[tuple[str, str]]]:
+    """Each parameter's holders, as (qualified name, unit), keyed by the name it is first
+    seen as: read off the plan's facts, so a model FSDP1 has already flattened reads alike."""
     unit_of = {m: u.name for u in shards for m in u.members}
-    named = dict(model.named_modules())
-    out: dict[int, list[tuple[str, str]]] = {}
-    for name in plan:
-        module = named.get(name)
-        if module is None:
-            continue
-        for pname, p in module.named_parameters(recurse=False):
-            full = f"{name}.{pname}" if name else pname
-            out.setdefault(id(p), []).append((full, unit_of.get(name, "")))
+    out: dict[str, list[tuple[str, str]]] = {}
+    for name, entry in plan.items():
+        for info in entry.own_params:
+            full = f"{name}.{info.name}" if name else info.name
+            out.setdefault(info.tied or full, []).append((full, unit_of.get(name, "")))
     return out
 
 
-def _tied_across_units(plan: PrecisionPlan, model: nn.Module, shards: list[Unit],
-                       backend: str) -> list[Finding]:
+def _tied_across_units(plan: PrecisionPlan, shards: list[Unit], backend: str
+                       ) -> list[Finding]:
     out = []
-    for owners in _owners(model, plan, shards).values():
+    for owners in _owners(plan, shards).values():
         units = list(dict.fromkeys(u for _, u in owners))
         if len(units) < 2:
             continue
@@ -543,18 +596,17 @@ def _common_parent(names: list[str]) -> str:
     return ".".join(common)
 
 
-def _frozen_beside_trainable(plan: PrecisionPlan, model: nn.Module, shards: list[Unit],
-                             use_orig_params: bool) -> list[Finding]:
+def _frozen_beside_trainable(plan: PrecisionPlan, shards: list[Unit], use_orig_params: bool
+                             ) -> list[Finding]:
     """FSDP1 flattens a unit's parameters into one: with use_orig_params=False it refuses
     frozen and trainable ones together; with True it reduce-scatters the frozen ones' zero
     gradients with the rest (measured: 1,136 elements on the wire for 624 trainable)."""
-    named = dict(model.named_modules())
     out = []
     for unit in shards:
-        params = [(f"{m}.{n}" if m else n, p) for m in unit.members if m in named
-                  for n, p in named[m].named_parameters(recurse=False)
-                  if p.is_floating_point()]
-        frozen = [(n, p) for n, p in params if not p.requires_grad]
+        params = [(f"{m}.{t.name}" if m else t.name, t) for m in unit.members
+                  for t in plan[m].own_params
+                  if t.dtype.is_floating_point and t.tied is None]
+        frozen = [(n, t) for n, t in params if not t.trainable]
         if not frozen or len(frozen) == len(params):
             continue
         if not use_orig_params:
@@ -566,7 +618,8 @@ def _frozen_beside_trainable(plan: PrecisionPlan, model: nn.Module, shards: list
                 "FullyShardedDataParallel(model, ..., use_orig_params=True, "
                 "device_id=torch.device('cpu')), or freeze whole units."))
             continue
-        extra = sum(p.numel() * p.element_size() for _, p in frozen)
+        storage = plan[unit.name].policy.storage
+        extra = sum(t.numel * (storage or t.dtype).itemsize for _, t in frozen)
         names = [n for n, _ in frozen]
         out.append(Finding(
             "warning", "fsdp1-frozen-reduced", unit.name,

@@ -153,28 +153,68 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
 #: output flows on (T5's `wo` feeds a residual sum that type promotion keeps in fp32)
 KEPT = "fp32,output=fp32"
 
-_ROUTER_WORDS = frozenset({"gate", "router", "shared_expert_gate", "gating", "gate_layer"})
+#: a router's name beside its block's experts, and the gates that need no experts beside them
+_ROUTER_NAMES = frozenset({"gate", "router"})
+_GATE_NAMES = frozenset({"shared_expert_gate"})
+
+
+def _declared_routers(named: dict[str, nn.Module]) -> list[tuple[type | None, str | None,
+                                                                   str | None]]:
+    """What the model's classes declare produces router logits: transformers' own
+    `_can_record_outputs["router_logits"]` (an `OutputRecorder`, or a class), as (class, class
+    name, layer name)."""
+    found = []
+    for module in named.values():
+        declared = getattr(type(module), "_can_record_outputs", None)
+        if not isinstance(declared, dict):
+            continue
+        for key, value in declared.items():
+            if "router" not in str(key):
+                continue
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(item, type):
+                    found.append((item, None, None))
+                else:
+                    found.append((getattr(item, "target_class", None),
+                                  getattr(item, "class_name", None),
+                                  getattr(item, "layer_name", None)))
+    return found
 
 
 def router_names(model: nn.Module | dict[str, nn.Module]) -> list[str]:
-    """The MoE routers and gates among the model's Linear layers: a Linear named `gate`,
-    `router` or `shared_expert_gate` (Mixtral's and Qwen2-MoE's), or one whose outputs are
-    one per expert (`config.num_experts`, `num_local_experts`, `n_routed_experts`). A dense
-    MLP's `gate_proj` is not a router."""
+    """The MoE routers and gates of a model, whatever their class (in transformers 5 a router
+    holds its own weight, as `MixtralTopKRouter` does, rather than an `nn.Linear`):
+
+    - what transformers declares: the modules whose outputs its `_can_record_outputs`
+      records as `router_logits` (by class, class name or layer name);
+    - by role: a module named `gate` or `router` beside its block's `experts`, and
+      Qwen2-MoE's `shared_expert_gate`.
+
+    A dense MLP's `gate_proj` is not a router, and neither is a layer whose width happens to
+    equal the number of experts."""
     named = model if isinstance(model, dict) else dict(model.named_modules())
-    root = named.get("")
-    config = getattr(root, "config", None)
-    experts = {getattr(config, k, None) for k in ("num_experts", "num_local_experts",
-                                                  "n_routed_experts")} - {None, 0, 1}
-    return [n for n, m in named.items() if isinstance(m, nn.Linear) and n and (
-        n.rsplit(".", 1)[-1] in _ROUTER_WORDS or m.out_features in experts)]
+    declared = _declared_routers(named)
+    out = []
+    for name, module in named.items():
+        if not name:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        beside_experts = leaf in _ROUTER_NAMES and f"{parent + '.' if parent else ''}experts" \
+            in named
+        said = any((cls is None or isinstance(module, cls))
+                   and (class_name is None or type(module).__name__.endswith(class_name))
+                   and (layer is None or layer in name) and (cls or class_name or layer)
+                   for cls, class_name, layer in declared)
+        if said or beside_experts or leaf in _GATE_NAMES:
+            out.append(name)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class FP8Linear:
     """A selector for `annotate`: the Linear layers whose GEMMs can run in fp8 (a plain
     nn.Linear forward, both dimensions divisible by 16, which fp8 GPU kernels require), except
-    the named ones."""
+    the named modules and the Linear layers inside them."""
 
     exclude: frozenset[str] = frozenset()
 
@@ -182,7 +222,7 @@ class FP8Linear:
         cls = plain_class(module)  # a layer apply converted is still the user's Linear
         return (isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0
-                and name not in self.exclude)
+                and not any(name == e or name.startswith(e + ".") for e in self.exclude))
 
     def __repr__(self) -> str:
         return f"FP8Linear(exclude={sorted(self.exclude)})"
@@ -266,6 +306,12 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike[str],
                     plan: PrecisionPlan | None = None, **kwargs: Any) -> None:
     """`model.save_pretrained(directory, **kwargs)`, with the plan written beside it as
     `precision_plan.json`. The plan defaults to the one `apply` made real on the model."""
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(
+            "save_pretrained needs a transformers model (a PreTrainedModel, which has "
+            f"save_pretrained). Received: model of type {type(model).__name__}. For any other "
+            "model, save its state_dict and the plan yourself: torch.save(model.state_dict(), "
+            "...) and Path(...).write_text(precision_annot.applied_plan(model).to_json()).")
     plan = plan or plan_of(model)
     model.save_pretrained(directory, **kwargs)  # type: ignore[operator]
     Path(directory, PLAN_FILE).write_text(plan.to_json())
@@ -291,6 +337,13 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
     Returns:
         The model, with the plan applied.
     """
+    if not isinstance(model_class, type) or not callable(
+            getattr(model_class, "from_pretrained", None)):
+        raise TypeError(
+            "from_pretrained needs a transformers model class (a PreTrainedModel subclass, "
+            "such as T5ForConditionalGeneration), which loads its checkpoint. Received: "
+            f"model_class={model_class!r}. For any other model, build it, load its state_dict, "
+            "then precision_annot.apply(model, PrecisionPlan.from_json(text)).")
     model: M = model_class.from_pretrained(directory, **kwargs)  # type: ignore[attr-defined]
     saved = Path(directory, PLAN_FILE)
     if plan is None and saved.is_file():

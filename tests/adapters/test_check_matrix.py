@@ -32,7 +32,7 @@ from precision_annot._src.findings import SEVERITIES
 from precision_annot.adapters import deepspeed as ds_adapter
 from tests.helpers import deepspeed_op_built, launch
 from tests.workers.matrix import register_hook
-from tests.workers.scenarios import SCENARIOS, Scenario, build_applied
+from tests.workers.scenarios import SCENARIOS, Scenario, build_applied, shard
 
 RANKED = ("error", "warning", "info")
 
@@ -124,6 +124,8 @@ def predicted(scenario: Scenario, group: Any) -> set[str]:
         run = scenario.run
         config = ds_adapter.to_config(plan, run["to_config"]) if "to_config" in run else (
             run["config"])
+    elif scenario.wrapped:
+        target = shard(scenario, model, plan)  # as the worker shards it, on this 1-rank group
     elif scenario.applied:
         target = model
     found = check(target, scenario.backend, config)

@@ -268,6 +268,26 @@ def test_check_evaluates_the_config_as_deepspeed_gets_it() -> None:
     assert ("deepspeed-fp16-device" in fp16) == refuses
 
 
+def test_check_asks_deepspeed_which_auto_values_it_refuses() -> None:
+    """A config written for Hugging Face's Trainer holds "auto" values, which DeepSpeed itself
+    refuses outside its own sections (the 2-rank run of the check matrix, ds-hf-auto-values,
+    fails with "'>' not supported between instances of 'str' and 'int'"); 0.3 said nothing."""
+    from tests.workers.scenarios import HF_AUTO
+
+    refused = dsa.unresolved_auto(HF_AUTO)
+    assert [k for k, _ in refused] == ["train_micro_batch_size_per_gpu",
+                                       "gradient_accumulation_steps", "gradient_clipping"]
+    assert "'>' not supported" in refused[0][1]
+    plan = resolve(island(), default="bf16-mixed")
+    found = codes_of(plan, HF_AUTO)
+    assert list(found) == ["deepspeed-auto"]
+    assert "train_micro_batch_size_per_gpu, gradient_accumulation_steps, gradient_clipping" in \
+        found["deepspeed-auto"].message
+    resolved_inside = {"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": "auto"},
+                       "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    assert dsa.unresolved_auto(resolved_inside) == []
+
+
 def test_check_mixed_storage_with_its_byte_cost() -> None:
     plan = resolve(island(), default="bf16")
     found = codes_of(plan, dsa.to_config(plan, BASE))

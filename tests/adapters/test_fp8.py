@@ -214,7 +214,8 @@ def _hf(kind: str) -> nn.Module:
     extra: dict[str, dict[str, Any]] = {
         "Llama": {},
         "Mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-        "Qwen2Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        # 32 experts: as wide as k_proj and v_proj (2 heads of 16), which are not routers
+        "Qwen2Moe": dict(num_experts=32, num_experts_per_tok=2, moe_intermediate_size=32,
                          shared_expert_intermediate_size=64),
         "DeepseekV3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
@@ -242,14 +243,20 @@ def test_fp8_rules_keep_what_deepseek_v3_keeps_and_train(kind: str) -> None:
     fp8_layers = {n for n, e in plan.items() if e.policy.gemm}
     linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+    # the routers, as the installed transformers declares them (whatever their class: in 5.24
+    # Mixtral's and Qwen2-MoE's hold their own weight), and Qwen2-MoE's shared-expert gate
+    recorded = type(model.model)._can_record_outputs.get("router_logits")  # type: ignore[union-attr]
+    router_class = getattr(recorded, "target_class", recorded)
     routers = {n for n, m in model.named_modules()
-               if n.endswith((".gate", ".shared_expert_gate", ".router"))}
+               if (router_class is not None and isinstance(m, router_class))
+               or n.endswith(".shared_expert_gate")}
     if kind != "Llama":
-        assert routers, "a MoE model has routers"
+        assert routers and set(hf.router_names(model)) == routers
+        assert all(plan[n].policy.compute == pa.fp32 and not plan[n].policy.gemm for n in routers)
     assert head not in fp8_layers and not routers & fp8_layers
     assert not {n for n, m in model.named_modules()
                 if isinstance(m, (nn.Embedding,)) or "Norm" in type(m).__name__} & fp8_layers
-    assert fp8_layers == linears - {head} - routers  # every other Linear: fp8
+    assert fp8_layers == linears - {head} - routers  # every other Linear: fp8, k_proj included
     pa.apply(model)
     ids = torch.randint(0, 128, (2, 16))
     with pa.audit(model) as report:
@@ -259,6 +266,8 @@ def test_fp8_rules_keep_what_deepseek_v3_keeps_and_train(kind: str) -> None:
     assert not [d for d in report.divergences if d.field == "gemm"], report.divergences
     assert all(report[n].fp8_gemms["forward"] for n in fp8_layers if report[n].calls)
     assert not report[head].fp8_gemms
+    for name in routers:  # the router's logits ran in fp32 (0.3: bf16, its class missed)
+        assert set(report[name].forward_ops) == {pa.fp32}, (name, report[name].forward_ops)
 
 
 def test_megatron_and_te_settings_from_a_plan() -> None:
@@ -327,6 +336,45 @@ def test_fp8_not_converted_names_what_audit_sees_running_high() -> None:
     ran_high = {d.module for d in report.divergences if d.field == "gemm"}
     assert claimed == ran_high and claimed  # GPT-2's Conv1D layers: fp8 planned, ran high
     assert found["fp8-not-converted"].severity == "warning"
+
+
+class SharedWeight(nn.Module):
+    """A parent that multiplies by its child's weight itself, and a MultiheadAttention, which
+    calls its out_proj's weight without calling out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.out = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.linear(x, self.fc.weight) + self.fc(x)
+        return self.out(self.attn(h, h, h)[0])
+
+
+def test_audit_reports_an_fp8_weight_whose_gemm_ran_high_outside_its_layer() -> None:
+    """0.3's audit counted GEMMs per running module only: `F.linear(x, fc.weight)` in a parent
+    ran in bf16 with 0 GEMMs charged to `fc`, and MultiheadAttention's out_proj, which check
+    flags, left audit clean."""
+    torch.manual_seed(0)
+    model = SharedWeight()
+    pa.annotate(model, {nn.Linear: "compute=fp8"})
+    claimed = {m for f in pa.check(model) if f.code == "fp8-not-converted" for m in f.modules}
+    pa.apply(model, default="bf16-mixed")
+    with pa.audit(model) as report:
+        model(torch.randn(2, 16, 32, requires_grad=True)).float().sum().backward()
+    high = {(d.module, d.phase) for d in report.divergences if d.field == "gemm"}
+    assert high == {("fc", "forward"), ("fc", "backward"), ("attn.out_proj", "forward"),
+                    ("attn.out_proj", "backward")}
+    assert report["fc"].fp8_gemms["forward"] == 1  # its own call still ran in fp8
+    assert claimed == {"attn.out_proj"}  # check sees the MHA case before launch
+    fine = SharedWeight()
+    pa.annotate(fine, {"out": "compute=fp8"})
+    pa.apply(fine, default="bf16-mixed")
+    with pa.audit(fine) as clean:
+        fine(torch.randn(2, 16, 32)).float().sum().backward()
+    assert [d for d in clean.divergences if d.field == "gemm"] == []
 
 
 def test_refusals_check_names_are_the_refusals_apply_makes() -> None:

@@ -11,7 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from precision_annot import Policy, PrecisionPlan, apply, bf16, fp16, fp32, precision, resolve
+from precision_annot import (
+    Policy,
+    PrecisionPlan,
+    apply,
+    bf16,
+    check,
+    fp16,
+    fp32,
+    precision,
+    resolve,
+)
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.plan import human_bytes
 from precision_annot.adapters import fsdp
@@ -267,3 +277,21 @@ def test_fully_shard_keeps_the_plan_applied_to_the_model(group: None) -> None:
         model(torch.randn(2, 4)).float().sum().backward()
     assert set(report["0"].forward_ops) == {bf16} and set(report["1"].forward_ops) == {fp32}
     assert report.divergences == []
+
+
+def test_a_model_sharded_with_its_own_policy_is_checked_as_sharded(group: None) -> None:
+    """0.3 checked the units fully_shard would make, not the ones the user made: an fp32 island
+    under the user's MixedPrecisionPolicy(param_dtype=bf16) raised a DriftError at its first
+    forward while check gave an info. The real 2-rank run is the check matrix's
+    fsdp2-user-mp-policy-over-islands."""
+    from tests.workers.scenarios import BY_NAME, shard
+
+    scenario = BY_NAME["fsdp2-user-mp-policy-over-islands"]
+    model, plan = scenario.build()
+    sharded = shard(scenario, model, plan)
+    found = {f.code: f for f in check(sharded, "fsdp")}
+    assert found["fsdp-param-dtype"].severity == "error"
+    assert found["fsdp-param-dtype"].modules == ("norm",)
+    with pytest.raises(RuntimeError, match=r"Module 'norm'.*FSDP2 gathers the parameters of "
+                                           r"each unit in its MixedPrecisionPolicy's param_dtype"):
+        sharded(torch.randn(2, 16))

@@ -536,3 +536,13 @@ def test_rules_hand_t5s_kept_output_on_in_fp32_as_transformers_does() -> None:
         assert torch.isfinite(apply(kept, default=low)(**batch).logits).all(), low
         handed_back = annotate(copy.deepcopy(t5), [(sel, "fp32") for sel, _ in rules])
         assert not torch.isfinite(apply(handed_back, default=low)(**batch).logits).all(), low
+
+
+def test_save_and_load_say_that_they_need_a_transformers_model(tmp_path: Path) -> None:
+    """0.3 raised a raw AttributeError for an nn.Linear."""
+    with pytest.raises(TypeError, match=r"save_pretrained needs a transformers model.*"
+                                        r"Received: model of type Linear"):
+        hf.save_pretrained(nn.Linear(2, 2), tmp_path)
+    with pytest.raises(TypeError, match=r"from_pretrained needs a transformers model class.*"
+                                        r"Received: model_class=<class 'torch.nn.modules.linear"):
+        hf.from_pretrained(nn.Linear, tmp_path)

@@ -24,7 +24,7 @@ from precision_annot.adapters import fsdp
 from precision_annot.adapters.fsdp import plan_name
 from precision_annot.adapters.lightning import AnnotatedFSDPPrecision, AnnotatedPrecision
 from tests.workers import leave
-from tests.workers.collectives import recording
+from tests.workers.collectives import WIRE, recording, register_recording_gloo
 from tests.workers.models import POLICY, Net
 
 
@@ -60,6 +60,17 @@ def ddp() -> tuple[Any, Any]:
     from lightning.pytorch.strategies import DDPStrategy
 
     return DDPStrategy(), AnnotatedPrecision(default=POLICY)  # the plugin registers the hook
+
+
+def ddp_own_hook() -> tuple[Any, Any]:
+    """The user's own comm hook beside the plugin: Lightning registers it only on CUDA, and the
+    plugin then registers none, so on CPU every gradient reduces in its parameter's dtype."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    register_recording_gloo()  # DDP's C++ reducer reduces without a Python hook: see the wire
+    return (DDPStrategy(ddp_comm_hook=default_hooks.bf16_compress_hook,
+                        process_group_backend="recgloo"), AnnotatedPrecision(default=POLICY))
 
 
 def model_parallel() -> tuple[Any, Any]:
@@ -116,7 +127,8 @@ def fsdp1() -> tuple[Any, Any]:
 
 
 STRATEGIES: dict[str, Callable[[], tuple[Any, Any]]] = {
-    "ddp": ddp, "model_parallel": model_parallel, "deepspeed": deepspeed, "fsdp": fsdp1,
+    "ddp": ddp, "ddp-own-hook": ddp_own_hook, "model_parallel": model_parallel,
+    "deepspeed": deepspeed, "fsdp": fsdp1,
 }
 
 
@@ -149,8 +161,8 @@ def main() -> None:
                         enable_progress_bar=False, enable_model_summary=False)
     with recording(dist) as calls:
         trainer.fit(model, loader)
-    reduced = {(d, n) for op, d, n in calls
-               if op in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor") and n > 1}
+    reduced = {(d, n) for op, d, n in [*calls, *WIRE] if n > 1 and op in (
+        "all_reduce", "reduce_scatter_single", "reduce_scatter_tensor", "allreduce")}
     (outdir / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps({
         "losses": model.losses,
         "batch": model.batch_dtypes[:1],

@@ -36,10 +36,9 @@ from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.runtime import applied_plan
 from precision_annot.adapters import ddp as ddp_adapter
 from precision_annot.adapters import deepspeed as ds_adapter
-from precision_annot.adapters import fsdp as fsdp_adapter
 from tests.workers import leave
 from tests.workers.collectives import WIRE, recording, register_recording_gloo
-from tests.workers.scenarios import SCENARIOS, Scenario, build_applied, data
+from tests.workers.scenarios import SCENARIOS, Scenario, build_applied, data, shard
 
 REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 STEPS = 3
@@ -81,18 +80,8 @@ def setup(scenario: Scenario, model: nn.Module, plan: Any) -> tuple[Any, Any]:
         wrapped = nn.parallel.DistributedDataParallel(model)
         register_hook(wrapped, run.get("hook"), model)
         return wrapped, torch.optim.SGD(model.parameters(), lr=LR)
-    if scenario.backend == "fsdp":
-        fsdp_adapter.fully_shard(model, plan, merge_below=run.get("merge_below"))
-        return model, torch.optim.SGD(model.parameters(), lr=LR)
-    if scenario.backend == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        apply(model, plan)
-        wrapped = FullyShardedDataParallel(
-            model, auto_wrap_policy=fsdp_adapter.wrap_policy(plan,
-                                                             merge_below=run.get("merge_below")),
-            mixed_precision=fsdp_adapter.mixed_precision(plan, merge_below=run.get("merge_below")),
-            use_orig_params=run.get("use_orig_params", False), device_id=torch.device("cpu"))
+    if scenario.backend in ("fsdp", "fsdp1"):
+        wrapped = shard(scenario, model, plan)
         return wrapped, torch.optim.SGD(wrapped.parameters(), lr=LR)
     return _deepspeed(scenario, model, plan)
 
@@ -244,7 +233,7 @@ def local(scenario: Scenario) -> dict[str, Any]:
     update = max(float((moved[n] - ref_moved[n]).norm() / ref_moved[n].norm().clamp_min(1e-30))
                  for n in moved)
     numeric = {"flushed": flushed / max(nonzero, 1), "update_error": update}
-    if isinstance(model.norm, nn.BatchNorm1d):
+    if isinstance(model.norm, nn.BatchNorm1d) and model.norm.running_var is not None:
         var, ref_var = model.norm.running_var.double(), reference.norm.running_var.double()  # type: ignore[union-attr]
         numeric["running_stats"] = float((var - ref_var).norm() / ref_var.norm())
     return {"name": scenario.name, "refused": None, "wire": [],

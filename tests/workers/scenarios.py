@@ -31,7 +31,8 @@ class Net(nn.Module):
                  integer: bool = False) -> None:
         super().__init__()
         self.fc1 = nn.Linear(16, 32)
-        self.norm: nn.Module = nn.LayerNorm(32) if norm == "layer" else nn.BatchNorm1d(32)
+        self.norm: nn.Module = nn.LayerNorm(32) if norm == "layer" else nn.BatchNorm1d(
+            32, track_running_stats=norm != "batch-untracked")
         self.fc2 = nn.Linear(32, 16)
         if frozen:
             self.fc1.weight.requires_grad_(False)
@@ -73,6 +74,8 @@ class Scenario:
             arguments), read by the worker.
         applied: the model is handed over with its plan applied (Lightning without a plugin).
         tokens: the model takes token ids.
+        wrapped: `check` is asked about the model as the worker wrapped or sharded it (FSDP1's
+            wrapper, the user's own `fully_shard`), not about its plan.
     """
 
     name: str
@@ -82,6 +85,7 @@ class Scenario:
     run: dict[str, Any] = dataclasses.field(default_factory=dict)
     applied: bool = False
     tokens: bool = False
+    wrapped: bool = False
 
 
 def plain(default: Any, rules: dict[Any, Any] | None = None, **net: Any
@@ -107,6 +111,41 @@ def _ds(stage: int, **more: Any) -> dict[str, Any]:
 
 
 AUTOCAST = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+
+
+def shard(scenario: Scenario, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
+    """FSDP as the scenario's user shards it: the adapter, or (run["user_mp"]) FSDP2's own
+    fully_shard with one MixedPrecisionPolicy over the applied plan, or FSDP1's wrapper with
+    the plan's policies. Returns what is trained."""
+    from precision_annot.adapters import fsdp as fsdp_adapter
+
+    run = scenario.run
+    if scenario.backend == "fsdp" and run.get("user_mp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        apply(model, plan)
+        policy = MixedPrecisionPolicy(param_dtype=bf16)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                fully_shard(module, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model
+    if scenario.backend == "fsdp":
+        fsdp_adapter.fully_shard(model, plan, merge_below=run.get("merge_below"))
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    apply(model, plan)
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=fsdp_adapter.wrap_policy(plan,
+                                                         merge_below=run.get("merge_below")),
+        mixed_precision=fsdp_adapter.mixed_precision(plan, merge_below=run.get("merge_below")),
+        use_orig_params=run.get("use_orig_params", False), device_id=torch.device("cpu"))
+
+
+HF_AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
 
 
 def cpu_fsdp_strategy() -> Any:
@@ -139,6 +178,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("ddp-allreduce-hook", "ddp", plain(BF16_COMM), run={"hook": "allreduce"}),
     Scenario("ddp-own-hook", "ddp", plain(BF16_COMM), run={"hook": "own"}),
     Scenario("ddp-integer-parameter", "ddp", plain(MIXED, integer=True), run={"hook": "plan"}),
+    Scenario("ddp-integer-parameter-no-hook", "ddp", plain(BF16_COMM, integer=True),
+             run={"hook": None}),
     # -- FSDP2: one reduce dtype and one storage dtype per unit, ties within a unit
     Scenario("fsdp2-islands", "fsdp", plain(BF16_COMM)),
     Scenario("fsdp2-comm-only-annotation", "fsdp", plain(BF16_COMM, FP32_FC2)),
@@ -147,6 +188,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("fsdp2-tied-across-units", "fsdp", tied, run={}, tokens=True),
     Scenario("fsdp2-integer-parameter", "fsdp", plain(MIXED, integer=True)),
     Scenario("fsdp2-frozen-beside-trainable", "fsdp", plain(MIXED, frozen=True)),
+    Scenario("fsdp2-user-mp-policy-over-islands", "fsdp", plain(MIXED),
+             run={"user_mp": True}, wrapped=True),
     # -- FSDP1
     Scenario("fsdp1-islands", "fsdp1", plain(BF16_COMM), check_config={"use_orig_params": True},
              run={"use_orig_params": True}),
@@ -158,6 +201,8 @@ SCENARIOS: list[Scenario] = [
              check_config={"use_orig_params": True}, run={"use_orig_params": True}),
     Scenario("fsdp1-tied-across-units", "fsdp1", tied, check_config={"use_orig_params": True},
              run={"use_orig_params": True}, tokens=True),
+    Scenario("fsdp1-tied-wrapped", "fsdp1", tied, check_config={"use_orig_params": True},
+             run={"use_orig_params": True}, tokens=True, wrapped=True),
     Scenario("fsdp1-merged-island-widens", "fsdp1", plain(BF16_COMM),
              check_config={"merge_below": 0.1, "use_orig_params": True},
              run={"merge_below": 0.1, "use_orig_params": True}),
@@ -188,6 +233,7 @@ SCENARIOS: list[Scenario] = [
     Scenario("ds-hand-bf16-section-with-island-zero0", "deepspeed", plain(MIXED),
              run={"config": _ds(0, bf16={"enabled": True})}),
     Scenario("ds-mixed-storage", "deepspeed", plain("bf16"), run={"to_config": _ds(2)}),
+    Scenario("ds-hf-auto-values", "deepspeed", plain(MIXED), run={"config": HF_AUTO}),
     Scenario("ds-fp16-autocast-zero2", "deepspeed", plain("16-mixed"),
              run={"config": _ds(2, torch_autocast={"enabled": True, "dtype": "float16"})}),
     Scenario("ds-fp16-section", "deepspeed", plain("16-true", {}),
@@ -198,6 +244,8 @@ SCENARIOS: list[Scenario] = [
              check_config={"grad_scaler": True}, run={"scale": True}),
     Scenario("local-bf16-batchnorm", "local", plain("bf16-true", {}, norm="batch")),
     Scenario("local-bf16-mixed-batchnorm", "local", plain(MIXED, {}, norm="batch")),
+    Scenario("local-bf16-batchnorm-untracked", "local",
+             plain("bf16-true", {}, norm="batch-untracked")),
     Scenario("local-bf16-mixed-norms", "local", plain(MIXED)),
     Scenario("lightning-applied-mixed", "lightning", plain(MIXED),
              check_config={"precision": "bf16-mixed", "accelerator": "cpu"},
@@ -233,4 +281,5 @@ def build_applied(scenario: Scenario) -> tuple[nn.Module, PrecisionPlan]:
     return model, plan
 
 
-__all__ = ["BY_NAME", "SCENARIOS", "Scenario", "build_applied", "data", "fp16"]
+__all__ = ["BY_NAME", "HF_AUTO", "SCENARIOS", "Scenario", "build_applied", "data", "fp16",
+           "shard"]

@@ -22,13 +22,13 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 
-from precision_annot._src.findings import Finding, drift
+from precision_annot._src.findings import Finding, drift, drifts
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import PRESETS
 from precision_annot.adapters.lightning.base import PlanPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
 
-__all__ = ["findings"]
+__all__ = ["findings", "reduced"]
 
 _OURS = ("AnnotatedPrecision", "AnnotatedFSDPPrecision", "AnnotatedDeepSpeedPrecision",
          "FabricAnnotatedPrecision")
@@ -86,6 +86,36 @@ def _is_ours(plugin: object) -> bool:
     return isinstance(plugin, PlanPrecision) or plugin in _OURS
 
 
+def _config_keys() -> frozenset[str]:
+    """The keyword arguments `Trainer` and `Fabric` take: what a config may hold."""
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer
+
+    return frozenset(k for cls in (Trainer, Fabric)
+                     for k in inspect.signature(cls.__init__).parameters if k != "self")
+
+
+def _refuse_unknown(config: Mapping[str, Any], plugins: list[Any]) -> None:
+    """A key neither Trainer nor Fabric takes, or a plugin named by a string that is not one
+    of ours, is bad input, refused as Lightning refuses an unknown strategy name."""
+    valid = _config_keys()
+    for key in config:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), sorted(valid), n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"check: config for backend='lightning' has a key neither Trainer nor Fabric "
+                f"takes.{hint} Received: {key!r}. Valid: {', '.join(sorted(valid))}")
+    for plugin in plugins:
+        if isinstance(plugin, str) and plugin not in _OURS:
+            close = difflib.get_close_matches(plugin, _OURS, n=2)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"check: config 'plugins' names no precision plugin of this library.{hint} "
+                f"Received: {plugin!r}. Valid names: {', '.join(map(repr, _OURS))}, or a "
+                "plugin instance")
+
+
 def _is_precision(plugin: object) -> bool:
     """A precision plugin of any kind, Lightning's or ours."""
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -134,14 +164,10 @@ def _no_plugin(plan: PrecisionPlan, config: Mapping[str, Any], plugins: list[Any
     cause = (f"Lightning runs {runs}: it casts every parameter in convert_module" if applied
              else f"no AnnotatedPrecision plugin is given and the model has no plan applied, so "
                   f"Lightning runs {runs} for the whole model")
-    out = drift(plan, "storage", {n: policy.storage for n in holders
-                                  if policy.storage}, code="lightning-no-plugin",
-                backend="Lightning", cause=cause, fix=fix)
-    if not applied:
-        out += drift(plan, "compute", {n: policy.compute for n in holders
-                                       if policy.compute}, code="lightning-no-plugin",
-                     backend="Lightning", cause=cause, fix=fix)
-    return out
+    fields = ["storage"] if applied else ["storage", "compute"]
+    return drifts(plan, {f: {n: getattr(policy, f) for n in holders if getattr(policy, f)}
+                         for f in fields},
+                  code="lightning-no-plugin", backend="Lightning", cause=cause, fix=fix)
 
 
 def _both_precisions(config: Mapping[str, Any], plugins: list[Any],
@@ -204,17 +230,15 @@ def _ddp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
          cpu: str | None) -> list[Finding]:
     from precision_annot.adapters import ddp
 
-    # the plugin registers the plan's hook itself, so only the buckets are left to say
-    out = [f for f in ddp.findings(plan, bucket_cap_mb=settings["bucket_cap_mb"])
-           if f.code == "ddp-mixed-bucket"]
     hook = settings["hook"]
     if hook is None or not ddp.hooked_modules(plan):
-        return out
+        # the plugin registers the plan's hook itself, so only its buckets are left to say
+        return [f for f in ddp.findings(plan, bucket_cap_mb=settings["bucket_cap_mb"])
+                if f.code == "ddp-mixed-bucket"]
+    out: list[Finding] = []  # the plan's hook is not registered: its buckets do not split
     name = getattr(hook, "__name__", hook)
     if cpu:  # Lightning drops the user's hook on CPU, and the plugin then registers none
-        stored = {n: next(iter(e.param_dtype_bytes)) for n, e in plan.items()
-                  if e.params and len(e.param_dtype_bytes) == 1}
-        return out + drift(plan, "comm", stored, code="lightning-ddp-hook",
+        return out + drift(plan, "comm", _stored(plan), code="lightning-ddp-hook",
                            backend="Lightning's DDP",
                            cause=f"DDPStrategy(ddp_comm_hook={name}) is registered by Lightning "
                                  f"only on CUDA ({cpu}), and the plugin registers none beside "
@@ -228,6 +252,67 @@ def _ddp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
         "Drop ddp_comm_hook; AnnotatedPrecision registers the plan's comm hook.",
     ))
     return out
+
+
+def _stored(plan: PrecisionPlan) -> dict[str, torch.dtype]:
+    """Each parameter-holding module's floating storage dtype."""
+    return {n: e.stored for n, e in plan.items() if e.stored is not None}
+
+
+def _processes(config: Mapping[str, Any]) -> int | None:
+    """How many processes the Trainer starts with strategy "auto" (None: it depends on the
+    machine)."""
+    devices, nodes = config.get("devices", "auto"), config.get("num_nodes", 1)
+    if isinstance(devices, (list, tuple)):
+        count: int | None = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        count = int(devices)
+    else:
+        count = 1 if _on_cpu(config.get("accelerator", "auto")) and devices == "auto" else None
+    return None if count is None or not isinstance(nodes, int) else count * nodes
+
+
+def reduced(plan: PrecisionPlan, config: Mapping[str, Any] | None
+            ) -> dict[str, torch.dtype] | None:
+    """What Lightning reduces each parameter-holding module's gradients in, with these Trainer
+    arguments; None where that is not known here (another comm hook on CUDA, a device count
+    that depends on the machine), {} where nothing is reduced (one process).
+
+    - DDP with a plugin of ours and no hook of the user's: the plan's comm (the plugin
+      registers the plan's hook); otherwise each gradient in its parameter's dtype, as DDP
+      does, since Lightning registers `ddp_comm_hook` only on CUDA.
+    - FSDP: its units' reduce dtypes; DeepSpeed: what its engine reduces in with the config.
+    """
+    if config is None:
+        return None
+    plugins = config.get("plugins") or []
+    plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    strategy = config.get("strategy", "auto")
+    kind, settings = _strategy_kind(strategy)
+    ours = [p for p in [*plugins, getattr(strategy, "_precision_plugin", None)] if _is_ours(p)]
+    if kind == "other":
+        processes = _processes(config) if strategy == "auto" else None
+        if processes is None or processes > 1:
+            return None
+        return {}
+    if kind == "fsdp":
+        from precision_annot.adapters import fsdp
+
+        return fsdp.reduced(plan, fsdp.unit_names(plan))
+    if kind == "deepspeed":
+        from precision_annot.adapters import deepspeed
+
+        dsp = deepspeed.translate(plan, warn=False)
+        found, stage = deepspeed.given_config(dsp, settings["config"])
+        return deepspeed.reduced(dsp, found, stage)
+    stored = _stored(plan)
+    if ours and settings["hook"] is None:
+        return {n: plan[n].policy.grad_comm or d for n, d in stored.items()}
+    if settings["hook"] is not None and not _on_cpu(config.get("accelerator", "auto")):
+        return None  # the user's hook runs, and its dtypes are its own
+    return stored
 
 
 _STRATEGY_CHECKS: dict[str, Callable[[PrecisionPlan, list[Any], dict[str, Any], str | None],
@@ -249,6 +334,7 @@ def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None, *,
         )
     plugins = config.get("plugins") or []
     plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+    _refuse_unknown(config, plugins)
     strategy = config.get("strategy", "auto")
     strategy_plugin = getattr(strategy, "_precision_plugin", None)
     kind, settings = _strategy_kind(strategy)  # first: a misspelled name is bad input

@@ -108,8 +108,11 @@ def test_ddp_comm_hook_given_with_a_plan_that_sets_comm() -> None:
     # Lightning drops it on CPU, and the plan's too: the bf16 layers reduce in fp32, widened
     assert cpu["lightning-ddp-hook"].severity == "warning"
     assert cpu["lightning-ddp-hook"].modules == ("fc1", "fc2")
-    assert "ddp-mixed-bucket" in cpu
-    assert "ddp-needs-hook" not in cpu  # the plugin registers the plan's hook
+    # nor is the plan's hook registered, so no bucket splits by comm (the 2-process run in
+    # test_trainer.py reduced everything in fp32); 0.3 said it did
+    assert "ddp-mixed-bucket" not in cpu
+    assert "ddp-mixed-bucket" in found(config("cpu", hook=None))  # the plugin's hook splits
+    assert "ddp-needs-hook" not in cpu
     assert found(config("gpu"))["lightning-ddp-hook"].severity == "warning"  # it replaces ours
     assert "lightning-ddp-hook" not in found(config("cpu", hook=None))
     assert "lightning-ddp-hook" not in found(config("cpu"), default="32-true")
@@ -119,6 +122,30 @@ def test_a_cpu_run_gets_no_finding_for_being_on_cpu() -> None:
     """0.2 added an info with "Nothing to change" to every CPU run; an info is a cost."""
     config = {"strategy": "ddp", "plugins": [AnnotatedPrecision()], "accelerator": "cpu"}
     assert not [f for f in check(resolve(Net(), default="bf16-mixed"), "lightning", config)]
+
+
+def test_a_misspelt_key_or_plugin_name_is_refused_with_the_spelling() -> None:
+    """0.3 accepted {"precison": ...} silently and read "AnnotatedPrecison" as no plugin."""
+    plan = resolve(Net(), default="bf16-mixed")
+    with pytest.raises(ValueError, match=r"neither Trainer nor Fabric takes\. Did you mean "
+                                         r"'precision'\? Received: 'precison'"):
+        check(plan, "lightning", {"precison": "bf16-mixed"})
+    with pytest.raises(ValueError, match=r"Did you mean 'AnnotatedPrecision'.*Received: "
+                                         r"'AnnotatedPrecison'"):
+        check(plan, "lightning", {"plugins": ["AnnotatedPrecison"]})
+    assert check(plan, "lightning", {"loggers": [], "devices": 1, "plugins": [
+        "AnnotatedPrecision"]}) == []  # Fabric's keys are Lightning's too
+
+
+def test_lightning_without_the_plugin_is_one_finding_per_severity() -> None:
+    """Its storage and its compute both differ from the plan for one cause: one error, naming
+    both (0.3 gave two lightning-no-plugin errors)."""
+    plan = resolve(Net(), default="bf16-mixed")
+    got = check(plan, "lightning", {"precision": "16-true", "accelerator": "cpu"})
+    assert [(f.severity, f.code) for f in got] == [("error", "lightning-no-plugin")]
+    message = got[0].message
+    assert "stores the parameters of" in message and "and computes" in message
+    assert "held and computed with fewer bits" in message
 
 
 def test_config_must_be_the_trainers_keyword_arguments() -> None:

@@ -136,6 +136,28 @@ def test_two_process_strategies_train_with_planned_dtypes(strategy: str, tmp_pat
     check(run(strategy, tmp_path))
 
 
+def test_check_says_what_lightning_reduces_in_on_cpu(tmp_path: Path) -> None:
+    """With the user's own ddp_comm_hook beside the plugin, Lightning on CPU reduces every
+    gradient in fp32 (it registers the hook only on CUDA, and the plugin registers none beside
+    it): check says the plan's bf16 comm is widened, and no longer claims a bf16 reduction
+    (0.3's narrow-comm info)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from precision_annot import check as check_plan
+    from tests.workers.models import POLICY, Net
+
+    ranks = run("ddp-own-hook", tmp_path)
+    for r in ranks:
+        assert {d for d, _ in r["reduced"]} == {"fp32"}, r["reduced"]
+    config = {"strategy": DDPStrategy(ddp_comm_hook=default_hooks.bf16_compress_hook),
+              "plugins": [AnnotatedPrecision(default=POLICY)], "accelerator": "cpu"}
+    plan = resolve(Net(8, 16, 1), default=POLICY)
+    found = check_plan(plan, "lightning", config)
+    assert [(f.severity, f.code) for f in found] == [("warning", "lightning-ddp-hook")]
+    assert "planned bf16, fp32 instead" in found[0].message
+
+
 def test_deepspeed_strategy_with_lightnings_cuda_only_check_bypassed(tmp_path: Path) -> None:
     """Lightning's DeepSpeedStrategy refuses non-CUDA accelerators; the worker skips only that
     check (and gives CPU devices an index). DeepSpeed itself runs for real on its CPU
