@@ -388,24 +388,24 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if self.fp8_weights and func.overloadpacket.__name__ in ("_to_copy", "clone"):
             source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            owner = self._fp8_owner([source]) if source is not None else None
-            if owner is not None and isinstance(out, torch.Tensor) and not is_fp8_tensor(out):
+            copied = self._fp8_owner([source]) if source is not None else None
+            if copied is not None and isinstance(out, torch.Tensor) and not is_fp8_tensor(out):
                 with contextlib.suppress(RuntimeError, NotImplementedError):
-                    self.fp8_weights[out.untyped_storage().data_ptr()] = (owner, out)
+                    self.fp8_weights[out.untyped_storage().data_ptr()] = (copied, out)
         if func.is_view or not _computes(func, args, kwargs):
             return out
         gemm = func.overloadpacket.__name__ in _GEMMS
         operands = [t for t in (*args, *(kwargs or {}).values())
                     if isinstance(t, torch.Tensor)] if gemm else []
         fp8 = any(is_fp8_tensor(t) for t in operands)
-        high = None if fp8 or not self.fp8_weights else self._fp8_owner(operands)
+        high: str | None = None if fp8 or not self.fp8_weights else self._fp8_owner(operands)
         inputs: list[torch.Tensor] = []
         floating_leaves((args, kwargs), inputs)
         if not inputs:
             return out
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
-        owner = self.tracker.owner() if results else None
+        owner: tuple[str, str] | None = self.tracker.owner() if results else None
         if high is not None:  # an fp8-planned weight multiplied in high precision, anywhere
             phase_now = owner[1] if owner is not None else (
                 "backward" if torch._C._current_graph_task_id() != -1 else "forward")

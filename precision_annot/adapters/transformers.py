@@ -163,7 +163,7 @@ def _declared_routers(named: dict[str, nn.Module]) -> list[tuple[type | None, st
     """What the model's classes declare produces router logits: transformers' own
     `_can_record_outputs["router_logits"]` (an `OutputRecorder`, or a class), as (class, class
     name, layer name)."""
-    found = []
+    found: list[tuple[type | None, str | None, str | None]] = []
     for module in named.values():
         declared = getattr(type(module), "_can_record_outputs", None)
         if not isinstance(declared, dict):
