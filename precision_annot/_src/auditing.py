@@ -366,19 +366,26 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.records = records
         self.modules = modules
         # the weights planned with fp8 GEMMs, and the copies made of them (autocast's, a .to()),
-        # by storage: (their module, the copy, held so its memory is not reused meanwhile)
-        self.fp8_weights: dict[int, tuple[str, torch.Tensor | None]] = {}
+        # by the address of their first element (not their storage's: ZeRO and FSDP1 keep
+        # every parameter in one flat buffer): (their module, their storage, held so that no
+        # other tensor gets the address while the audit runs)
+        self.fp8_weights: dict[int, tuple[str, Any]] = {}
         for name in fp8_planned:
             weight = getattr(modules.get(name), "weight", None)
             if isinstance(weight, torch.Tensor):
-                with contextlib.suppress(RuntimeError, NotImplementedError):
-                    self.fp8_weights[weight.untyped_storage().data_ptr()] = (name, None)
+                self._track(weight, name)
+
+    def _track(self, tensor: torch.Tensor, owner: str) -> None:
+        with contextlib.suppress(RuntimeError, NotImplementedError):
+            storage = tensor.untyped_storage()
+            if storage.nbytes():
+                self.fp8_weights[tensor.data_ptr()] = (owner, storage)
 
     def _fp8_owner(self, tensors: Iterable[torch.Tensor]) -> str | None:
         """The fp8-planned module whose weight (or a copy of it) is among `tensors`."""
         for t in tensors:
             with contextlib.suppress(RuntimeError, NotImplementedError):
-                found = self.fp8_weights.get(t.untyped_storage().data_ptr())
+                found = self.fp8_weights.get(t.data_ptr())
                 if found is not None:
                     return found[0]
         return None
@@ -390,8 +397,7 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
             source = args[0] if args and isinstance(args[0], torch.Tensor) else None
             copied = self._fp8_owner([source]) if source is not None else None
             if copied is not None and isinstance(out, torch.Tensor) and not is_fp8_tensor(out):
-                with contextlib.suppress(RuntimeError, NotImplementedError):
-                    self.fp8_weights[out.untyped_storage().data_ptr()] = (copied, out)
+                self._track(out, copied)
         if func.is_view or not _computes(func, args, kwargs):
             return out
         gemm = func.overloadpacket.__name__ in _GEMMS
@@ -406,7 +412,9 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
         owner: tuple[str, str] | None = self.tracker.owner() if results else None
-        if high is not None:  # an fp8-planned weight multiplied in high precision, anywhere
+        if high is not None and (owner is None or owner[0] != high):
+            # an fp8-planned weight multiplied in high precision outside its own layer (its own
+            # forward running high is counted with its GEMMs)
             phase_now = owner[1] if owner is not None else (
                 "backward" if torch._C._current_graph_task_id() != -1 else "forward")
             self.records[high].high_weight_gemms[phase_now] += 1
