@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
 
 from precision_annot._src.boundary import autocast_context
 from precision_annot._src.casting import cast_tree
-from precision_annot._src.dtypes import fp32
+from precision_annot._src.dtypes import LOW_PRECISION, fp32
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import SpecLike, as_policy, autocast_mode, preset_name
 from precision_annot._src.runtime import apply, plan_of
 from precision_annot._src.scaler import GradScaler
 
-__all__ = ["PlanPrecision", "TrainerPlanPrecision"]
+__all__ = ["PlanPrecision", "TrainerPlanPrecision", "default_dtype"]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """`torch.set_default_dtype(dtype)` inside the block, the previous one restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 class PlanPrecision:
@@ -83,12 +96,20 @@ class PlanPrecision:
         return data if dtype is None else cast_tree(data, dtype)
 
     def forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        """The root's autocast state, so code that calls submodules directly runs as the root."""
+        """The root's autocast state, so code that calls submodules directly runs as the root;
+        and for a "-true" root (bf16 or fp16 compute and storage), the default dtype set to it,
+        as Lightning's own "bf16-true" and "16-true" set it: a tensor the forward builds
+        itself (`torch.zeros(...)`, a positional table) is made in that dtype."""
         if self.plan is None:
             return contextlib.nullcontext()
         root = self.plan.root.policy
+        stack = contextlib.ExitStack()
         context = autocast_context(autocast_mode(root), self.device or "cpu", root.compute)
-        return context or contextlib.nullcontext()
+        if context is not None:
+            stack.enter_context(context)
+        if root.compute in LOW_PRECISION and root.storage == root.compute:
+            stack.enter_context(default_dtype(root.compute))
+        return stack
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager[None]:
         # Storage differs per module, so no default dtype is set: modules are built in fp32 and

@@ -167,3 +167,43 @@ def test_deepspeed_strategy_with_lightnings_cuda_only_check_bypassed(tmp_path: P
     assert ranks[0]["config"] == {"torch_autocast": {
         "enabled": True, "dtype": "bfloat16",
         "lower_precision_safe_modules": ["torch.nn.modules.linear.Linear"]}}
+
+
+def test_lightnings_own_demo_transformer_runs_as_lightnings_bf16_true() -> None:
+    """Lightning's demo Transformer builds its positional table in forward with torch.zeros:
+    under Lightning's "bf16-true" that table is bf16 (the default dtype), and 0.3's plugin left
+    it fp32, which promoted the activations: MultiheadAttention then failed with "expected m1
+    and m2 to have the same dtype". The plugin sets the default dtype as Lightning does: the
+    same losses, step for step."""
+    from lightning.pytorch.demos import Transformer
+
+    class Lit(L.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = Transformer(vocab_size=64, ninp=32, nhead=2, nhid=32, nlayers=1,
+                                     dropout=0.0)
+            self.losses: list[float] = []
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            loss = nn.functional.nll_loss(self.model(x, y), y.view(-1))
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def losses(**kwargs: Any) -> list[float]:
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 64, (12, 8), generator=gen)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+            tokens, torch.randint(0, 64, (12, 8), generator=gen)), batch_size=4)
+        module = Lit()
+        L.Trainer(max_steps=3, enable_checkpointing=False, **QUIET, **kwargs).fit(module, data)
+        return module.losses
+
+    lightnings = losses(precision="bf16-true")
+    ours = losses(plugins=[AnnotatedPrecision(default="bf16-true")])
+    assert ours == lightnings and all(math.isfinite(v) for v in ours)
+    assert torch.get_default_dtype() == torch.float32  # restored after each forward
