@@ -22,11 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.dtypes import FP8_RECIPES, dtype_name, fp32
+from precision_annot._src.dtypes import FP8_RECIPES, bf16, dtype_name, fp32
 from precision_annot._src.execution import fp8_gemms
 from precision_annot._src.float8 import Gemm, config, plain_class
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.runtime import subject
+from precision_annot._src.findings import listing
+from precision_annot._src.runtime import applied_plan, subject
 
 __all__ = ["BackendSettings", "ao_recipe_kwargs", "float8_config", "megatron_args",
            "module_filter", "te_settings"]
@@ -74,6 +75,26 @@ def float8_config(model_or_plan: nn.Module | PrecisionPlan) -> Any:
     return config(_one_gemm(_gemms(model_or_plan), "float8_config"))
 
 
+def _require_applied_islands(model_or_plan: nn.Module | PrecisionPlan) -> None:
+    """Accelerate's fp8 runs the whole forward under its own bf16 autocast: a module planned to
+    compute in another dtype (an fp32 island) keeps it only through the plan's boundaries, so
+    the plan must be applied before `accelerator.prepare` (measured: an fp32 LayerNorm island
+    ran `native_layer_norm` on bf16 inputs otherwise)."""
+    given = subject(model_or_plan, "ao_recipe_kwargs")
+    if given.model is not None and applied_plan(given.model) is not None:
+        return
+    islands = [n for n, e in given.plan.items()
+               if e.policy.compute is not None and e.policy.compute != bf16 and not e.container]
+    if islands:
+        raise ValueError(
+            f"ao_recipe_kwargs: the plan computes {listing(islands)} in another dtype than "
+            "Accelerate's bf16 autocast, and Accelerate runs the whole forward under that "
+            "autocast, so they would run in bf16 unless the plan is applied. Call "
+            "precision_annot.apply(model, default='bf16-mixed') before accelerator.prepare("
+            "model): apply converts the fp8 layers itself (the filter then leaves them alone) "
+            "and its boundaries keep the islands in their dtype inside Accelerate's autocast.")
+
+
 def ao_recipe_kwargs(model_or_plan: nn.Module | PrecisionPlan) -> Any:
     """Accelerate's `AORecipeKwargs` for the plan: its one fp8 config, and a filter that
     converts exactly the planned Linear layers (Accelerate's default skips the first and last
@@ -85,6 +106,7 @@ def ao_recipe_kwargs(model_or_plan: nn.Module | PrecisionPlan) -> Any:
     """
     from accelerate.utils import AORecipeKwargs
 
+    _require_applied_islands(model_or_plan)
     gemm = _one_gemm(_gemms(model_or_plan), "ao_recipe_kwargs")
     return AORecipeKwargs(config=config(gemm), module_filter_func=module_filter(model_or_plan))
 

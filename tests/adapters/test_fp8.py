@@ -130,7 +130,7 @@ def accelerator_state() -> Any:
 def test_accelerate_converts_exactly_the_planned_layers(accelerator_state: Any) -> None:
     torch.manual_seed(0)
     model = Small()
-    pa.annotate(model, {nn.Linear: "compute=fp8-rowwise", "head": "compute=fp32"})
+    pa.annotate(model, {nn.Linear: "compute=fp8-rowwise", "head": "compute=bf16"})
     kwargs = fp8.ao_recipe_kwargs(model)
     plan = pa.resolve(model)  # torchao's new modules do not carry the annotations: resolve first
     assert kwargs.config.cast_config_input.scaling_granularity.value == "axiswise"
@@ -144,6 +144,32 @@ def test_accelerate_converts_exactly_the_planned_layers(accelerator_state: Any) 
     with pa.audit(inner, plan) as report:
         inner(torch.randn(8, 32)).sum().backward()
     assert not [d for d in report.divergences if d.field == "gemm"]
+
+
+def test_accelerate_keeps_an_fp32_island_only_with_the_plan_applied(
+        accelerator_state: Any) -> None:
+    """docs/fp8.md's 0.3 recipe (annotate, then Accelerate) ran an fp32 LayerNorm island's
+    native_layer_norm on bf16 inputs under Accelerate's autocast, silently. Unapplied, the
+    recipe is refused with the fix; applied first, the same run audits clean."""
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 64),
+                              nn.Linear(64, 16))
+        pa.annotate(model, {nn.Linear: "compute=fp8", "1": "fp32", "3": "compute=fp32"})
+        return model
+
+    with pytest.raises(ValueError, match=r"computes '1' and '3' in another dtype than "
+                                         r"Accelerate's bf16 autocast.*precision_annot\.apply"):
+        fp8.ao_recipe_kwargs(build())
+    model = pa.apply(build(), default="bf16-mixed")
+    accelerator = accelerator_state.Accelerator(mixed_precision="fp8", cpu=True,
+                                                kwargs_handlers=[fp8.ao_recipe_kwargs(model)])
+    prepared = accelerator.prepare(model)
+    with pa.audit(prepared) as report:
+        prepared(torch.randn(16, 32)).float().sum().backward()
+    assert report.divergences == []
+    assert set(report["1"].forward_ops) == {torch.float32}  # native_layer_norm in fp32
+    assert report["0"].fp8_gemms["forward"] == 1
 
 
 def test_accelerate_leaves_a_model_apply_converted_alone(accelerator_state: Any) -> None:
