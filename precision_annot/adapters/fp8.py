@@ -24,9 +24,9 @@ from torch import nn
 
 from precision_annot._src.dtypes import FP8_RECIPES, bf16, dtype_name, fp32
 from precision_annot._src.execution import fp8_gemms
+from precision_annot._src.findings import listing
 from precision_annot._src.float8 import Gemm, config, plain_class
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.findings import listing
 from precision_annot._src.runtime import applied_plan, subject
 
 __all__ = ["BackendSettings", "ao_recipe_kwargs", "float8_config", "megatron_args",
