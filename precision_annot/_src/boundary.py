@@ -577,11 +577,28 @@ class Boundary:
 
     def _compiled(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call under `torch.compile`, traced into the graph once. Every attribute read
-        here becomes a guard checked at each call, so it reads one record: the spec. An entry
-        guard is traced as what it sets up, which is nothing where its boundary has already."""
+        here becomes a guard checked at each call, so it reads few: the spec, and whether its
+        model's forward is being traced. As in eager, an entry guard inside its model's
+        forward passes through (the model's code has the last word: T5 hands an fp32 residual
+        stream from block to block, which a cast here would round to bf16), and called on its
+        own sets up what its boundary would have."""
         spec = self.spec
         if spec is None:
             return self._run(*args, **kwargs)
+        owner = self.owner
+        if not self.marks or owner is None:
+            return self._traced_call(args, kwargs, spec)
+        if getattr(owner, "tracing", False):
+            return self._run(*args, **kwargs) if self.guard else self._traced_call(
+                args, kwargs, spec)
+        owner.tracing = True  # type: ignore[attr-defined]  # the model's forward starts here
+        try:
+            return self._traced_call(args, kwargs, spec)
+        finally:
+            owner.tracing = False  # type: ignore[attr-defined]
+
+    def _traced_call(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     spec: BoundarySpec) -> Any:
         first = first_floating((args, kwargs)) if (
             spec.mode is not None or spec.exit_to_input) else None
         if spec.compute is not None:

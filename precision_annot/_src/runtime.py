@@ -52,6 +52,10 @@ class AppliedState:
     originals: dict[Key, torch.dtype]
     drift_warned: bool = False
     resolved: bool = True  # the plan was resolved from the annotations, not given
+    # set while torch.compile traces the model's forward: the entry guards inside it then
+    # trace as the pass-through they are there (eager code reads a thread-local instead, which
+    # Dynamo cannot trace)
+    tracing: bool = False
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
