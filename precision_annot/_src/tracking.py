@@ -46,6 +46,19 @@ DATA_MOVEMENT = frozenset({
 _NO_OWNER_NODES = frozenset({"ToCopyBackward0", "AccumulateGrad"})
 
 
+def recomputing() -> bool:
+    """Whether a gradient checkpoint is running its forward again, in backward.
+
+    NOTE: torch.utils.checkpoint (non-reentrant) recomputes under a saved-tensors hook of its
+    own, `_recomputation_hook`, and no public flag says so. Without this, a checkpointed layer
+    whose own forward runs again outside its module hooks (transformers 5 calls the layer's
+    plain `forward` in its recompute) had its ops charged to the module whose backward node
+    asked for them, BART's fp32 `final_layer_norm`, as bf16 backward ops."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    pack = top[0] if top else None
+    return "_recomputation_hook" in getattr(pack, "__qualname__", "")
+
+
 class ModuleTracker:
     """While active, `owner()` names the module whose own code is running the current op.
 
@@ -82,6 +95,8 @@ class ModuleTracker:
             return self.stack[-1], "forward"
         if torch._C._current_graph_task_id() == -1:
             return None
+        if torch.is_grad_enabled() and recomputing():
+            return None  # a checkpoint's forward run again in backward: charged when it first ran
         node = torch._C._current_autograd_node()
         if node is None or type(node).__name__ in _NO_OWNER_NODES:
             return None
