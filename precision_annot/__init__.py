@@ -16,6 +16,7 @@ from precision_annot._src.boundary import DriftError
 from precision_annot._src.checking import check
 from precision_annot._src.dtypes import bf16, fp16, fp32, fp64
 from precision_annot._src.findings import Finding, Severity
+from precision_annot._src.memory import MemoryReport
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
 from precision_annot._src.policy import Policy
 from precision_annot._src.resolution import resolve
@@ -23,6 +24,7 @@ from precision_annot._src.runtime import applied_plan, apply, remove
 from precision_annot._src.scaler import GradScaler
 from precision_annot._src.scope import precision_scope
 from precision_annot._src.suggestion import Suggestion, suggest
+from precision_annot._src.update import PlanOptimizer, optimizer
 from precision_annot._src.version import VERSION
 
 __all__ = [
@@ -50,6 +52,9 @@ __all__ = [
     "check",
     "Finding",
     "Severity",
+    "optimizer",
+    "PlanOptimizer",
+    "MemoryReport",
 ]
 
 __version__ = VERSION

@@ -42,8 +42,8 @@ def test_precision_on_instance_returns_the_instance() -> None:
     norm = nn.LayerNorm(3)
     assert precision(fp32)(norm) is norm
     assert resolve(norm)[""].sources == {
-        "compute": "instance", "storage": "instance", "comm": "instance", "output": None
-    }
+        "compute": "instance", "storage": "instance", "comm": "instance", "output": None,
+        "master": None, "grad": None, "optim": None}
 
 
 def test_keep_dtype_is_stored() -> None:

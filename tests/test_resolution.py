@@ -67,7 +67,7 @@ def test_default_fills_root_fields_only_where_nothing_is_set() -> None:
     plan = resolve(root, default="bf16-mixed")
     assert plan[""].policy == Policy(compute=fp32, storage=fp32, comm=fp32)
     assert plan[""].sources == {"compute": "instance", "storage": "default", "comm": "default",
-                                "output": None}
+                                "output": None, "master": None, "grad": None, "optim": None}
 
 
 def test_output_is_not_inherited() -> None:

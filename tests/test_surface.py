@@ -17,6 +17,8 @@ def test_public_names() -> None:
         # what those return or raise, and the plan an applied model holds
         "ModulePlan", "AuditReport", "Divergence", "Suggestion", "Severity", "DriftError",
         "applied_plan",
+        # the update half: one optimizer for the plan, and the plan's memory figures
+        "optimizer", "PlanOptimizer", "MemoryReport",
     }
     for name in precision_annot.__all__:
         assert getattr(precision_annot, name) is not None

@@ -74,6 +74,9 @@ def precision(
     storage: torch.dtype | str | None = None,
     comm: torch.dtype | str | None = None,
     output: torch.dtype | str | None = None,
+    master: torch.dtype | str | None = None,
+    grad: torch.dtype | str | None = None,
+    optim: torch.dtype | str | None = None,
     keep_dtype: KeepDtypeArg = (),
 ) -> _Annotator:
     """Declare the precision of a module class, a module instance or a function.
@@ -91,6 +94,10 @@ def precision(
         storage: the storage field; overrides `spec`. (Default: None)
         comm: the comm field; overrides `spec`. (Default: None)
         output: the output field; overrides `spec`. (Default: None)
+        master: what the optimizer updates: a dtype wider than storage (a master copy) or
+            "stochastic"; for `precision_annot.optimizer`. (Default: None)
+        grad: the dtype gradients accumulate in, when wider than storage. (Default: None)
+        optim: the dtype of the optimizer's state, or "8bit", "4bit", "fp8". (Default: None)
         keep_dtype: keyword names or positional indexes of arguments never cast at this
             boundary, such as an fp32 rotary table. (Default: ())
 
@@ -115,7 +122,8 @@ def precision(
             f"Received: spec={spec!r}"
         )
     policy = policy_from(
-        spec, {"compute": compute, "storage": storage, "comm": comm, "output": output}
+        spec, {"compute": compute, "storage": storage, "comm": comm, "output": output,
+               "master": master, "grad": grad, "optim": optim}
     )
     return _Annotator(policy, keep_dtype_of(keep_dtype))
 

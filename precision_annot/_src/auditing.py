@@ -29,9 +29,10 @@ from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Kind, Site, compile_plan
 from precision_annot._src.float8 import is_fp8_tensor
 from precision_annot._src.guards import require_module, require_plan
-from precision_annot._src.plan import ModulePlan, PrecisionPlan, format_table
+from precision_annot._src.plan import ModulePlan, PrecisionPlan
 from precision_annot._src.policy import Policy, autocast_mode
 from precision_annot._src.runtime import check_matches, find_boundary, plan_of
+from precision_annot._src.tables import format_table
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
 from precision_annot._src.wrappers import unwrap
 

@@ -6,8 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "FP8", "FP8_RECIPES", "LOW_PRECISION", "bf16", "dtype_from_name",
-           "dtype_name", "fp16", "fp32", "fp64", "parse_compute", "to_dtype", "wider", "widest"]
+__all__ = ["DTYPE_NAMES", "FP8", "FP8_RECIPES", "LOW_BIT_STATES", "LOW_PRECISION", "STOCHASTIC",
+           "bf16", "dtype_from_name", "dtype_name", "fp16", "fp32", "fp64", "parse_compute",
+           "to_dtype", "to_master", "to_optim", "wider", "widest"]
 
 fp64 = torch.float64
 fp32 = torch.float32
@@ -106,6 +107,36 @@ def to_dtype(value: object, *, field: str = "dtype") -> torch.dtype:
         f"{field} must be a torch.dtype or a dtype name such as 'bf16'. "
         f"Received: {field}={value!r} (of type {type(value).__name__})"
     )
+
+
+#: what a module's `master` field takes besides a float dtype: no copy, stochastic rounding
+STOCHASTIC = "stochastic"
+#: the low-bit optimizer states an `optim` field takes besides a float dtype
+LOW_BIT_STATES: tuple[str, ...] = ("8bit", "4bit", "fp8")
+
+
+def to_master(value: object) -> torch.dtype | str:
+    """A `master` value: a float dtype (the copy the optimizer updates) or "stochastic" (no
+    copy: updates are written into storage with stochastic rounding)."""
+    if isinstance(value, str) and value.strip().lower() == STOCHASTIC:
+        return STOCHASTIC
+    try:
+        return to_dtype(value, field="master")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e}; or 'stochastic': no master copy, updates written into bf16 "
+                      "storage with stochastic rounding.") from None
+
+
+def to_optim(value: object) -> torch.dtype | str:
+    """An `optim` value: the dtype of the optimizer's state tensors, or a low-bit state
+    ("8bit", "4bit", "fp8": torchao's quantized optimizer states)."""
+    if isinstance(value, str) and value.strip().lower() in LOW_BIT_STATES:
+        return value.strip().lower()
+    try:
+        return to_dtype(value, field="optim")
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e}; or a low-bit state: {', '.join(map(repr, LOW_BIT_STATES))}."
+                      ) from None
 
 
 def parse_compute(value: object) -> tuple[torch.dtype | None, str | None]:

@@ -24,9 +24,17 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot._src.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, fp32, wider
+from precision_annot._src.dtypes import (
+    LOW_PRECISION,
+    STOCHASTIC,
+    bf16,
+    dtype_name,
+    fp16,
+    fp32,
+    wider,
+)
 from precision_annot._src.plan import PrecisionPlan, parent_name
-from precision_annot._src.policy import FIELDS
+from precision_annot._src.policy import FIELDS, Policy
 
 __all__ = ["SEVERITIES", "Finding", "Severity", "drift", "drifts", "listing", "numerics",
            "outermost"]
@@ -222,10 +230,17 @@ def _loss_scaling(plan: PrecisionPlan, backend: str | None, scaled: bool) -> Ite
 
 
 def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
-    if backend == "deepspeed":
-        return  # DeepSpeed's bf16 and fp16 modes keep fp32 master weights in the optimizer
+    """Low storage updated as stored: no master copy (none planned; under DeepSpeed, one
+    said away with master equal to storage) and no stochastic rounding."""
     subtree = _subtree_params(plan)
-    low = [n for n, e in plan.items() if e.policy.storage in LOW_PRECISION and subtree[n]]
+
+    def bare(policy: Policy) -> bool:
+        if backend == "deepspeed":  # its bf16 and fp16 modes keep fp32 master weights
+            return policy.master == policy.storage
+        return not policy.copies_master and policy.master != STOCHASTIC
+
+    low = [n for n, e in plan.items()
+           if e.policy.storage in LOW_PRECISION and subtree[n] and bare(e.policy)]
     for name in outermost(plan, low):
         dtype = plan[name].policy.storage
         assert dtype is not None
@@ -237,9 +252,10 @@ def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
             f"{subtree[name]:,} parameters are stored in {dtype_name(dtype)} "
             f"with no fp32 master copy: an update smaller than about 2^-{bits} of a weight "
             f"rounds away, so small learning rates stop training.{extra}",
-            f"Store them in fp32 with {dtype_name(dtype)} compute (e.g. "
-            f"'{'bf16' if dtype == bf16 else '16'}-mixed'), or use an optimizer that keeps an "
-            "fp32 copy.",
+            f"Keep an fp32 master copy: annotate(model, {{{name!r}: 'master=fp32'}}) and "
+            "precision_annot.optimizer(model, torch.optim.AdamW, ...), which writes each "
+            f"update back rounded; or master='stochastic' (bf16); or store them in fp32 with "
+            f"{dtype_name(dtype)} compute ('{'bf16' if dtype == bf16 else '16'}-mixed').",
         )
 
 

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from precision_annot._src.dtypes import SHORT, dtype_from_name, dtype_name, fp16
-from precision_annot._src.policy import FIELDS, Policy, is_boundary
+from precision_annot._src.memory import MemoryReport, plan_memory
+from precision_annot._src.policy import FIELDS, UPDATE_FIELDS, Policy, is_boundary
+from precision_annot._src.tables import format_table, human_bytes
 
 __all__ = ["TRAITS", "ModuleFacts", "ModulePlan", "PrecisionPlan", "Source", "TensorInfo",
            "nearest", "parent_name", "planned_bytes"]
@@ -504,6 +506,22 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         return PrecisionPlan(entries, default=self.default, model_type=self.model_type,
                              modules=self.modules())
 
+    def memory(self, optimizer: Any = "adamw", **hyperparameters: Any) -> MemoryReport:
+        """The bytes training holds per module under this plan: parameters, gradients,
+        master copies and optimizer state, and in total and per parameter, for `optimizer`
+        ("adamw", "adam", "sgd", "rmsprop", "adagrad", or their torch.optim class) with
+        `hyperparameters` (`momentum=0.9` gives SGD a state), as `precision_annot.optimizer`
+        keeps them. Returns a `MemoryReport`; `str()` of it is a table.
+
+        Example:
+            >>> from torch import nn
+            >>> from precision_annot import resolve
+            >>> plan = resolve(nn.Linear(64, 64), "bf16-true,master=fp32")
+            >>> round(plan.memory("adamw").per_param(), 2)
+            16.06
+        """
+        return plan_memory(self.items(), self.captured, optimizer, **hyperparameters)
+
     def with_facts(self, facts: Mapping[str, ModuleFacts]) -> PrecisionPlan:
         """A copy with these rows' `facts` set (the same policies, holding the same model)."""
         entries = {n: dataclasses.replace(e, facts=facts[n]) if n in facts else e
@@ -604,8 +622,10 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
         return cls(entries, default=default_policy, model_type=model_type)
 
     def __str__(self) -> str:
-        header = ("module", "type", "compute", "storage", "comm", "output", "source", "params",
-                  "bytes")
+        # the update fields get columns when the plan sets one of them
+        fields = [f for f in FIELDS if f not in UPDATE_FIELDS or any(
+            getattr(e.policy, f) is not None for e in self._entries.values())]
+        header = ("module", "type", *fields, "source", "params", "bytes")
         rows: list[tuple[str, ...]] = [header]
         for name, e in self._entries.items():
             depth = name.count(".") + (1 if name else 0)
@@ -615,15 +635,15 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
             rows.append((
                 label,
                 e.type.rsplit(".", 1)[-1],
-                *(e.policy.show(f) for f in FIELDS),
+                *(e.policy.show(f) for f in fields),
                 e.source_summary(),
                 f"{e.params:,}",
                 human_bytes(e.param_bytes),
             ))
             for fn, region in e.regions.items():  # function-form regions its forward calls
                 rows.append(("  " * (depth + 1) + f"{fn.rsplit('.', 1)[-1]}()", "function",
-                             *(region.show(f) for f in FIELDS), "region", "", ""))
-        lines = format_table(rows, right={7, 8})
+                             *(region.show(f) for f in fields), "region", "", ""))
+        lines = format_table(rows, right={len(header) - 2, len(header) - 1})
         by_dtype = ", ".join(
             f"{dtype_name(d)} {human_bytes(n)}" for d, n in self.param_bytes_by_dtype.items()
         )
@@ -639,26 +659,3 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
     def __repr__(self) -> str:
         return (f"PrecisionPlan({self.model_type or 'model'}: {len(self)} modules, "
                 f"{len(self.boundaries)} boundaries)")
-
-
-def format_table(rows: list[tuple[str, ...]], right: set[int] | frozenset[int] = frozenset()
-                 ) -> list[str]:
-    """Rows as aligned text lines: the header, a rule, then the rest; `right` columns align
-    right."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                  for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
-        for r in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
-
-
-def human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 
@@ -12,6 +12,7 @@ from precision_annot._src.dtypes import (
     FP8,
     FP8_RECIPES,
     LOW_PRECISION,
+    STOCHASTIC,
     bf16,
     dtype_name,
     fp16,
@@ -19,13 +20,20 @@ from precision_annot._src.dtypes import (
     fp64,
     parse_compute,
     to_dtype,
+    to_master,
+    to_optim,
     wider,
 )
 
-__all__ = ["FIELDS", "PRESETS", "AutocastMode", "Policy", "SpecLike", "as_policy",
-           "autocast_mode", "exit_dtype", "is_boundary", "policy_from", "preset_name"]
+__all__ = ["FIELDS", "PRESETS", "UPDATE_FIELDS", "AutocastMode", "Policy", "SpecLike", "UpdateKey",
+           "update_key",
+           "as_policy", "autocast_mode", "exit_dtype", "is_boundary", "policy_from",
+           "preset_name"]
 
-FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output")
+#: the forward fields, then the update fields; every one is inherited but `output`
+FIELDS: tuple[str, ...] = ("compute", "storage", "comm", "output", "master", "grad", "optim")
+#: what the optimizer step does with a module's parameters
+UPDATE_FIELDS: tuple[str, ...] = ("master", "grad", "optim")
 
 #: Short keys accepted by `Policy.parse`, after jmp's "p=f32,c=bf16" grammar.
 _KEY_ALIASES: dict[str, str] = {
@@ -40,7 +48,21 @@ _KEY_ALIASES: dict[str, str] = {
     "r": "comm",
     "output": "output",
     "o": "output",
+    "master": "master",
+    "m": "master",
+    "grad": "grad",
+    "g": "grad",
+    "optim": "optim",
+    "state": "optim",
 }
+
+#: each field's reader: the dtype fields take a dtype name, two of the update fields more
+_READERS = {"master": to_master, "optim": to_optim}
+
+
+def _read(field: str, value: object) -> object:
+    reader = _READERS.get(field)
+    return reader(value) if reader is not None else to_dtype(value, field=field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +83,17 @@ class Policy:
         output: dtype the module's outputs are handed back in. None hands them back in the
             parent's compute dtype (see the runtime rules); unlike the other fields it is not
             inherited by children. (Default: None)
+        master: what the optimizer updates, for `precision_annot.optimizer`: a dtype wider than
+            storage (an fp32 master copy of each parameter, written back rounded into storage
+            after each step), or "stochastic" (no copy: each update written into bf16 storage
+            with stochastic rounding). None updates the stored parameters themselves.
+            (Default: None)
+        grad: the dtype gradients are accumulated in across micro-batches, when wider than
+            storage (an fp32 buffer beside bf16 parameters). None accumulates them in storage.
+            (Default: None)
+        optim: the dtype of the optimizer's state (Adam's moments, SGD's momentum): a float
+            dtype, or "8bit", "4bit", "fp8" (torchao's low-bit states). None keeps it in the
+            dtype of what is updated. (Default: None)
 
     Example:
         >>> p = Policy.parse("compute=bf16,storage=fp32")
@@ -75,6 +108,9 @@ class Policy:
     comm: torch.dtype | None = None
     output: torch.dtype | None = None
     gemm: str | None = None
+    master: torch.dtype | str | None = None
+    grad: torch.dtype | None = None
+    optim: torch.dtype | str | None = None
 
     def __post_init__(self) -> None:
         compute, gemm = (None, None) if self.compute is None else parse_compute(self.compute)
@@ -88,7 +124,7 @@ class Policy:
         for field in FIELDS[1:]:
             value = getattr(self, field)
             if value is not None:
-                object.__setattr__(self, field, to_dtype(value, field=field))
+                object.__setattr__(self, field, _read(field, value))
 
     @classmethod
     def parse(cls, text: str) -> Policy:
@@ -97,7 +133,9 @@ class Policy:
 
         A bare dtype sets compute, storage and comm. The presets are Lightning's precision
         strings: "32-true", "16-true", "bf16-true", "64-true", and "16-mixed" and
-        "bf16-mixed", which keep storage and comm in fp32 and compute in the low dtype.
+        "bf16-mixed", which keep storage and comm in fp32 and compute in the low dtype; and
+        "bf16-master", DeepSpeed's bf16 layout: bf16 parameters and compute, fp32 master
+        weights and fp32 gradient accumulation ("bf16-true,master=fp32,grad=fp32").
         """
         if not isinstance(text, str):
             raise TypeError(
@@ -155,7 +193,7 @@ class Policy:
             if field in values:
                 raise ValueError(f"Policy key {field!r} is given twice in {text!r}.")
             values[field] = (value.strip() if field == "compute" else
-                             to_dtype(value.strip(), field=field))
+                             _read(field, value.strip()))
         return cls(**values)  # type: ignore[arg-type]
 
     def show(self, field: str) -> str:
@@ -166,6 +204,8 @@ class Policy:
         value = getattr(self, field)
         if value is None:
             return "-"
+        if isinstance(value, str):
+            return value
         return "fp8" if value == FP8 else dtype_name(value)
 
     def __str__(self) -> str:
@@ -178,15 +218,17 @@ class Policy:
                  if getattr(self, f) is not None or (f == "compute" and self.gemm)]
         return f"Policy({', '.join(parts)})"
 
-    def items(self) -> Iterator[tuple[str, torch.dtype | None]]:
-        """(field, dtype) pairs in field order."""
+    def items(self) -> Iterator[tuple[str, torch.dtype | str | None]]:
+        """(field, value) pairs in field order: a dtype, or for master and optim a name
+        ("stochastic", "8bit"), or None."""
         for field in FIELDS:
             yield field, getattr(self, field)
 
     def merge(self, other: Policy) -> Policy:
         """A copy where every field that `other` sets replaces this policy's. Compute and the
         fp8 GEMM recipe are one slot: a compute dtype set alone clears the recipe."""
-        fields = {f: v if v is not None else getattr(self, f) for f, v in other.items()}
+        fields: dict[str, Any] = {f: v if v is not None else getattr(self, f)
+                                  for f, v in other.items()}
         gemm = other.gemm if other.gemm is not None else (
             None if other.compute is not None else self.gemm)
         return Policy(**fields, gemm=gemm)
@@ -203,8 +245,63 @@ class Policy:
         return all(v is None for _, v in self.items()) and self.gemm is None
 
     def uses(self, dtype: torch.dtype) -> bool:
-        """True when any field is `dtype`."""
-        return any(v == dtype for _, v in self.items())
+        """True when any forward field is `dtype` (the dtypes the forward and backward run)."""
+        return any(getattr(self, f) == dtype for f in FIELDS if f not in UPDATE_FIELDS)
+
+    @property
+    def copies_master(self) -> bool:
+        """True when the optimizer keeps a master copy wider than storage."""
+        master = self.master
+        return isinstance(master, torch.dtype) and (self.storage is None
+                                                    or wider(master, self.storage))
+
+    @property
+    def accumulates(self) -> bool:
+        """True when gradients accumulate in a buffer wider than storage."""
+        return self.grad is not None and self.storage is not None and wider(self.grad,
+                                                                           self.storage)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateKey:
+    """How one parameter is updated, normalised against its own dtype.
+
+    Attributes:
+        master: the dtype of its master copy (wider than the parameter), "stochastic", or None
+            (the parameter itself is updated).
+        grad: the dtype of its gradient accumulation buffer (wider than the parameter), or
+            None (its `.grad`).
+        optim: the dtype of its optimizer state, a low-bit state ("8bit", "4bit", "fp8"), or
+            None (the dtype of what is updated).
+    """
+
+    master: torch.dtype | str | None = None
+    grad: torch.dtype | None = None
+    optim: torch.dtype | str | None = None
+
+    def updated_dtype(self, param: torch.Tensor) -> torch.dtype:
+        return self.master if isinstance(self.master, torch.dtype) else param.dtype
+
+    def __str__(self) -> str:
+        def show(value: object) -> str:
+            return value if isinstance(value, str) else dtype_name(cast(torch.dtype, value))
+
+        parts = [f"{k}={show(v)}" for k, v in dataclasses.asdict(self).items() if v is not None]
+        return ",".join(parts) or "as stored"
+
+
+def update_key(master: torch.dtype | str | None, grad: torch.dtype | None,
+               optim: torch.dtype | str | None, param: torch.Tensor) -> UpdateKey:
+    """The `UpdateKey` of a parameter from its module's fields: a master or a buffer only
+    where wider than the parameter, a state dtype only where it differs from what is updated."""
+    dtype = param.dtype
+    copy = master if isinstance(master, torch.dtype) and wider(master, dtype) else None
+    key_master: torch.dtype | str | None = copy if copy is not None else (
+        STOCHASTIC if master == STOCHASTIC and dtype == bf16 else None)
+    buffer = grad if grad is not None and wider(grad, dtype) else None
+    updated = copy if copy is not None else dtype
+    state = None if optim is None or optim == updated else optim
+    return UpdateKey(key_master, buffer, state)
 
 
 def _bare(dtype: torch.dtype) -> Policy:
@@ -218,6 +315,7 @@ PRESETS: dict[str, Policy] = {
     "bf16-true": _bare(bf16),
     "16-mixed": Policy(compute=fp16, storage=fp32, comm=fp32),
     "bf16-mixed": Policy(compute=bf16, storage=fp32, comm=fp32),
+    "bf16-master": Policy(compute=bf16, storage=bf16, comm=bf16, master=fp32, grad=fp32),
 }
 
 SpecLike: TypeAlias = Policy | torch.dtype | str
@@ -227,7 +325,8 @@ def preset_name(compute: torch.dtype | None, storage: torch.dtype | None) -> str
     """The Lightning precision string with this compute and storage ("bf16-mixed"), or None.
     Storage left unset reads as storage equal to compute ("-true")."""
     for name, preset in PRESETS.items():
-        if preset.compute == compute and preset.storage == (storage or compute):
+        if preset.compute == compute and preset.storage == (storage or compute) and (
+                preset.master is None):
             return name
     return None
 
@@ -317,6 +416,6 @@ def policy_from(
         raise TypeError(
             f"Unknown policy field {unknown[0]!r}. Valid fields: {', '.join(FIELDS)}"
         )
-    given = {k: v if k == "compute" else to_dtype(v, field=k) for k, v in fields.items()
+    given = {k: v if k == "compute" else _read(k, v) for k, v in fields.items()
              if v is not None}
     return base.merge(Policy(**given)) if given else base  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.dtypes import STOCHASTIC, bf16, dtype_name, wider
 from precision_annot._src.float8 import MX_HIGH, mx_compute_error, plain_class
 from precision_annot._src.guards import paused_gc, require_module, warn
 from precision_annot._src.plan import (
@@ -142,6 +142,7 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
     if fallback is not None:
         _warn_if_default_unused(fallback, entries[""])
     _require_linear_under_fp8(entries, modules)
+    _require_update_fields(entries)
     return PrecisionPlan(
         entries, default=fallback, model_type=type(model).__qualname__, modules=modules
     )
@@ -274,6 +275,42 @@ def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str,
             "this module has none. Annotate the Linear layers or a module that holds them "
             f"(annotate(model, {{nn.Linear: 'compute={first.policy.gemm}'}})). Modules: "
             f"{bad[:8]}")
+
+
+def _require_update_fields(entries: dict[str, ModulePlan]) -> None:
+    """The update fields of a module that holds parameters must say something the optimizer
+    can do: a master at least as wide as storage, stochastic rounding into bf16 storage, a
+    gradient buffer at least as wide as storage."""
+    for name, entry in entries.items():
+        p = entry.policy
+        if not entry.params:
+            continue
+        where = f"Module {name or '(root)'!r} ({entry.type.rsplit('.', 1)[-1]})"
+        storage = p.storage
+        if isinstance(p.master, torch.dtype) and storage is not None and not _holds(p.master,
+                                                                                 storage):
+            raise ValueError(
+                f"{where}: master={dtype_name(p.master)} does not hold every value of its "
+                f"storage={dtype_name(storage)}. The master is what the optimizer updates; "
+                "narrower than (or beside) the stored weights, every update would be rounded "
+                f"twice. Use master={dtype_name(storage)} or wider, or leave master unset.")
+        if p.master == STOCHASTIC and storage not in (None, bf16) and not wider(storage, bf16):
+            raise ValueError(
+                f"{where}: master='stochastic' writes each fp32 update into bf16 storage with "
+                f"stochastic rounding (torchao's), and its storage is {dtype_name(storage)}. "
+                "Store it in bf16 (an island stored in fp32 is updated as stored), or use "
+                "master=fp32 for a master copy.")
+        if p.grad is not None and storage is not None and not _holds(p.grad, storage):
+            raise ValueError(
+                f"{where}: grad={dtype_name(p.grad)} does not hold every value of its "
+                f"storage={dtype_name(storage)}: gradients arrive in the storage dtype, and "
+                "accumulating them in it only loses bits. Use a grad at least as wide as "
+                "storage, or leave it unset.")
+
+
+def _holds(dtype: torch.dtype, storage: torch.dtype) -> bool:
+    """`dtype` holds every value of `storage` (the same dtype, or a wider one)."""
+    return dtype == storage or wider(dtype, storage)
 
 
 def _keep_dtype(module: nn.Module) -> tuple[str | int, ...]:

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from precision_annot._src.update import PlanOptimizer
+
 __all__ = ["GradScaler"]
 
 
@@ -20,7 +22,8 @@ class GradScaler(torch.amp.GradScaler):
     the loss, `unscale_` before clipping, `step` skips a step whose gradients are not finite
     and `update` lowers the scale after one; its state goes in checkpoints with `state_dict`.
 
-    `plan.needs_loss_scaling` says when a plan needs one.
+    `plan.needs_loss_scaling` says when a plan needs one. With `precision_annot.optimizer`, it
+    unscales the gradients that optimizer's step uses, fp32 accumulation buffers included.
 
     Args:
         device: "cuda", "cpu", ...; None takes CUDA when it is available and the CPU
@@ -51,4 +54,7 @@ class GradScaler(torch.amp.GradScaler):
         self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
+        if isinstance(optimizer, PlanOptimizer):  # the gradients its step uses: buffers too
+            optimizer.unscale_(inv_scale, found_inf)
+            return {found_inf.device: found_inf}
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)

@@ -85,7 +85,7 @@ class precision_scope:
 
     Args:
         spec: as for `precision`. (Default: None)
-        **fields: compute, storage, comm, output; they override `spec`.
+        **fields: compute, storage, comm, output, master, grad, optim; they override `spec`.
 
     Example:
         >>> from torch import nn

@@ -42,11 +42,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from precision_annot._src.casting import floating_leaves, map_tree
 from precision_annot._src.dtypes import FP8_RECIPES, LOW_PRECISION, bf16, dtype_name, fp16, fp32
 from precision_annot._src.guards import require_module
-from precision_annot._src.plan import PrecisionPlan, Source, format_table, parent_name
+from precision_annot._src.plan import PrecisionPlan, Source, parent_name
 from precision_annot._src.policy import Policy, SpecLike, as_policy
 from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply, remove
 from precision_annot._src.samples import as_call
+from precision_annot._src.tables import format_table
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
 
 __all__ = ["Check", "Sensitivity", "Suggestion", "suggest"]

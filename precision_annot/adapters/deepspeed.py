@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, Union
+from typing import Any, Literal, TypeAlias, Union, cast
 
 import torch
 from torch import nn
@@ -111,8 +111,8 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
         for name, entry in plan.items():
             p = entry.policy
             if p.storage in LOW_PRECISION:
-                moved[name] = Policy(compute=p.compute or p.storage, storage=fp32, comm=p.comm,
-                                     output=p.output, gemm=p.gemm)
+                moved[name] = dataclasses.replace(p, compute=p.compute or p.storage,
+                                                  storage=fp32)
         widened = plan.with_policies(moved)
         extra = sum(widened[n].param_bytes - plan[n].param_bytes for n in moved)
         if warn:
@@ -329,6 +329,91 @@ def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) ->
         config["communication_data_type"] = SHORT[comm]
 
 
+def update_half(dsp: DeepSpeedPlan, stage: int) -> tuple[dict[str, Any], str | None,
+                                                        tuple[str, ...]]:
+    """The config keys that say the plan's update half (`master`, `grad`, `optim`) to
+    DeepSpeed, or why it cannot, and the modules concerned.
+
+    DeepSpeed keeps one layout for the whole model: under its bf16 (fp16) section, ZeRO 1-3
+    keep fp32 master weights and fp32 optimizer state unless `bf16_master_weights_and_grads`
+    (and `bf16_optimizer_states`) say bf16, and gradients accumulate in
+    `data_types.grad_accum_dtype`; ZeRO 0 keeps no master at all. A plan that sets none of
+    the three fields leaves DeepSpeed's defaults as they are."""
+    plan = dsp.plan
+    names = [n for n in _param_entries(plan) if any(
+        getattr(plan[n].policy, f) is not None for f in ("master", "grad", "optim"))]
+    if not names:
+        return {}, None, ()
+    keys: dict[str, list[str]] = {}
+    for name in _param_entries(plan):
+        p = plan[name].policy
+        low = p.storage if p.storage in LOW_PRECISION else None
+        master = p.master if p.master is not None else (None if low is None else "as stored")
+        if master == p.storage:
+            master = "as stored"
+        said = f"master={master},grad={p.grad},optim={p.optim}"
+        keys.setdefault(said, []).append(name)
+    if len(keys) > 1:
+        groups = sorted(keys.values(), key=len)
+        return {}, (f"the plan updates its modules in {len(keys)} ways (for example "
+                    f"{groups[0][0]!r} apart from {groups[-1][0]!r}), and DeepSpeed keeps one "
+                    "layout of masters, gradients and state for the whole model"), tuple(
+                        n for g in groups[:-1] for n in g)
+    policy = plan[names[0]].policy
+    storage = policy.storage
+    section = {bf16: "bf16", fp16: "fp16"}.get(storage or fp32)
+    if isinstance(policy.optim, str) or policy.master == "stochastic":
+        what = f"optim={policy.optim}" if isinstance(policy.optim, str) else (
+            "master='stochastic'")
+        return {}, (f"{what} has no DeepSpeed setting (its optimizers keep full-precision "
+                    "state and round to nearest)"), tuple(names)
+    out: dict[str, Any] = {}
+    copies = policy.copies_master
+    if section is None:  # fp32 storage: masters and state are fp32 already
+        if isinstance(policy.optim, torch.dtype) and policy.optim != fp32:
+            return {}, (f"optim={dtype_name(policy.optim)} over fp32 weights has no DeepSpeed "
+                        "setting (its state is kept in the dtype it updates)"), tuple(names)
+        return out, None, ()
+    if copies and stage == 0:
+        return {}, (f"master={dtype_name(cast(torch.dtype, policy.master))} over {section} "
+                    "weights needs ZeRO "
+                    f"stage 1-3: at stage 0 DeepSpeed's {section} mode updates the {section} "
+                    "weights themselves, with no master copy"), tuple(names)
+    state = policy.optim if isinstance(policy.optim, torch.dtype) else None
+    if copies and state is not None and state != fp32:
+        return {}, (f"optim={dtype_name(state)} beside fp32 masters has no DeepSpeed setting "
+                    f"({section}_optimizer_states needs {section} masters)"), tuple(names)
+    if stage >= 1:
+        out[f"{section}_master_weights_and_grads"] = not copies
+        if not copies:
+            out[f"{section}_optimizer_states"] = state is None or state == storage
+    if policy.grad is not None:
+        out["grad_accum_dtype"] = SHORT[policy.grad]
+    return out, None, ()
+
+
+def _fill_update(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
+    """The plan's update half, where it sets one, into the bf16/fp16 section and data_types."""
+    keys, refusal, names = update_half(dsp, stage)
+    if refusal is not None:
+        raise ValueError(f"DeepSpeed cannot run the plan's update half: {refusal}. Modules: "
+                         f"{list(names[:8])}")
+    section = next((s for s in ("bf16", "fp16") if _flag(config, s)), None)
+    for key, value in keys.items():
+        if key == "grad_accum_dtype":
+            data = _section(config, "data_types")
+            given = data.get(key)
+            if given not in (None, "auto") and _dtype(given, f"data_types.{key}") != to_dtype(
+                    value):
+                raise _contradiction(f"data_types.{key}", given, value)
+            _fill(config, "data_types", key, value)
+        elif section is not None:
+            given = _section(config, section).get(key)
+            if given not in (None, "auto") and bool(given) != value:
+                raise _contradiction(f"{section}.{key}", given, value)
+            _fill(config, section, key, value)
+
+
 def _static_loss_scale(config: dict[str, Any], dsp: DeepSpeedPlan) -> object | None:
     """The base's static fp16 loss scale where the plan runs DeepSpeed's fp16 mode, else None
     (0, "auto" or unset: dynamic)."""
@@ -446,6 +531,7 @@ def to_config(
     _dtype(config.get("communication_data_type"), "communication_data_type")
     _dtype(_section(config, "torch_autocast").get("dtype"), "torch_autocast.dtype")
     _FILLS[dsp.case](config, dsp, stage)
+    _fill_update(config, dsp, stage)
     for section in _PRECISION_SECTIONS:  # DeepSpeed cannot read a null torch_autocast
         if section in config and config[section] is None:
             del config[section]
@@ -642,6 +728,16 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
             f"Give {', '.join(keys)} values, or launch through transformers' Trainer or "
             "Accelerate, which fill them; to_config(plan, config) fills the precision keys "
             "only.")
+    _, cannot, modules = update_half(dsp, stage)
+    if cannot is not None:
+        yield Finding(
+            "error", "deepspeed-update", modules[0] if modules else "",
+            f"DeepSpeed cannot run the plan's update half: {cannot}. to_config refuses it, and "
+            "a config written by hand runs DeepSpeed's own layout instead: the plan's masters, "
+            "gradients or state would be other than planned.",
+            "Give every module one update layout DeepSpeed has (fp32 masters and state, or "
+            "bf16 masters with bf16_optimizer_states; grad=fp32 for fp32 accumulation), or "
+            "train locally, with DDP or FSDP2 and precision_annot.optimizer.", modules)
     refusal = _fp16_zero_refusal(dsp, stage)
     if refusal:
         yield Finding("error", "deepspeed-fp16-zero", "",
@@ -653,7 +749,7 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
             "(\"Type fp16 is not supported on your device\").",
             "Run on a device with fp16 (a GPU), or use bf16 (fp16 compute over fp32 storage "
             "goes through torch_autocast at ZeRO stage 0).")
-    if refusal is None:
+    if refusal is None and cannot is None:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

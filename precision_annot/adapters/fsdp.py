@@ -19,9 +19,10 @@ from torch import nn
 from precision_annot._src.dtypes import dtype_name, widest
 from precision_annot._src.findings import Finding, drift, listing
 from precision_annot._src.guards import require_plan
-from precision_annot._src.plan import PrecisionPlan, human_bytes, nearest, parent_name
+from precision_annot._src.plan import PrecisionPlan, nearest, parent_name
 from precision_annot._src.runtime import apply, plan_of
 from precision_annot._src.selectors import Selector, matcher
+from precision_annot._src.tables import human_bytes
 from precision_annot._src.wrappers import unwrap
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_annot import Policy, bf16, fp16, fp32, precision, resolve
+from precision_annot import Policy, annotate, bf16, fp16, fp32, precision, resolve
 from precision_annot.adapters import deepspeed as dsa
 from tests.helpers import deepspeed_op_built, launch
 from tests.workers.models import ScaledLinear, linear_elements, norm_elements
@@ -394,3 +394,54 @@ def test_to_config_and_prepare_start_from_the_plan_applied_to_the_model() -> Non
     assert [f.code for f in dsa.findings(model, {"zero_optimization": {"stage": 2}})] == \
         [f.code for f in dsa.findings(resolve(model, default="bf16-mixed"),
                                       {"zero_optimization": {"stage": 2}})]
+
+
+# -- the update half ----------------------------------------------------------------------------
+
+def test_the_update_half_runs_on_two_zero_2_ranks_as_exported(tmp_path: Path) -> None:
+    """to_config says the plan's masters, state and gradient accumulation in DeepSpeed's keys,
+    and ZeRO-2 on 2 ranks keeps exactly that: bf16 masters and bf16 state, or fp32 masters,
+    fp32 state and fp32 accumulation, with each rank holding half the elements."""
+    deepspeed_op_built()
+    launch("tests.workers.deepspeed", "update", "2", str(tmp_path), ranks=2, timeout=300)
+    for rank in (0, 1):
+        low = json.loads((tmp_path / f"update-bf16-state-rank{rank}.json").read_text())
+        assert low["config"] == {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                          "bf16_optimizer_states": True}}
+        half = low["params"] // 2
+        assert (low["masters"], low["state"], low["grad_accum"]) == (["bf16"], ["bf16"], "bf16")
+        assert (low["master_bytes"], low["state_bytes"]) == (half * 2, 2 * half * 2)
+        wide = json.loads((tmp_path / f"update-fp32-masters-rank{rank}.json").read_text())
+        assert wide["config"]["data_types"] == {"grad_accum_dtype": "fp32"}
+        assert (wide["masters"], wide["state"], wide["grad_accum"]) == (["fp32"], ["fp32"],
+                                                                         "fp32")
+        assert (wide["master_bytes"], wide["state_bytes"]) == (half * 4, 2 * half * 4)
+        for r in (low, wide):
+            assert r["weights"] == ["bf16"] and r["losses"][-1] < r["losses"][0]
+
+
+def test_check_says_what_deepspeed_cannot_do_with_the_update_half() -> None:
+    def codes(spec: Any, stage: int = 2) -> dict[str, Any]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        if isinstance(spec, dict):
+            annotate(model, spec)
+            spec = None
+        return codes_of(resolve(model, default=spec), {"zero_optimization": {"stage": stage}})
+
+    for spec, says in (("bf16-true,master=fp32,optim=8bit", "optim=8bit has no DeepSpeed"),
+                       ("bf16-true,master=stochastic", "master='stochastic' has no DeepSpeed"),
+                       ({"*": "bf16-true,master=fp32", "1": "master=bf16"},
+                        "updates its modules in 2 ways")):
+        found = codes(spec)  # besides, that hand-written config has no bf16 section at all
+        assert found["deepspeed-update"].severity == "error", found
+        assert says in found["deepspeed-update"].message
+        with pytest.raises(ValueError, match="DeepSpeed cannot run the plan's update half"), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dsa.to_config(resolve(nn.Linear(4, 4), spec if isinstance(spec, str) else
+                                      "bf16-true,master=fp32,optim=8bit"),
+                              {"zero_optimization": {"stage": 2}})
+    zero0 = codes("bf16-true,master=fp32", stage=0)
+    assert "needs ZeRO stage 1-3" in zero0["deepspeed-update"].message
+    assert "deepspeed-update" not in codes("bf16-master")  # what DeepSpeed does
+    assert "deepspeed-update" not in codes("bf16-true")

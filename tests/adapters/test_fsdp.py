@@ -23,7 +23,7 @@ from precision_annot import (
     resolve,
 )
 from precision_annot._src.dtypes import dtype_name
-from precision_annot._src.plan import human_bytes
+from precision_annot._src.tables import human_bytes
 from precision_annot.adapters import fsdp
 from tests.adapters.distributed import check_training, run_ranks
 from tests.helpers import Recorder

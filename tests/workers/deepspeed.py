@@ -114,6 +114,54 @@ def run_stage(mode: str, stage: int, rank: int) -> dict[str, Any]:
     return result
 
 
+#: the update layouts a bf16 model is run with under ZeRO-2 in "update" mode
+UPDATES = {"bf16-state": "bf16-true,master=bf16,optim=bf16", "fp32-masters": "bf16-master"}
+
+
+def run_update(layout: str, rank: int) -> dict[str, Any]:
+    """A uniform bf16 model (DeepSpeed's bf16 section) with the plan's update half exported by
+    to_config, under ZeRO-2: what DeepSpeed really keeps on this rank."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+    plan = resolve(net, default=UPDATES[layout])
+    base = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10_000}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = ds_adapter.to_config(plan, base)
+        ds_adapter.prepare(net, plan)
+    engine, *_ = deepspeed.initialize(
+        model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3), config=config)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    losses = []
+    for _ in range(4):
+        loss = nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    zero = engine.optimizer
+    masters = list(zero.single_partition_of_fp32_groups)
+    state = [v for s in zero.optimizer.state.values() for v in s.values()
+             if isinstance(v, torch.Tensor) and v.numel() > 1]
+    out = {
+        "config": {k: v for k, v in config.items() if k in ("bf16", "data_types")},
+        "losses": losses,
+        "weights": sorted({dtype_name(p.dtype) for p in net.parameters()}),
+        "masters": sorted({dtype_name(m.dtype) for m in masters}),
+        "master_bytes": sum(m.numel() * m.element_size() for m in masters),
+        "state": sorted({dtype_name(v.dtype) for v in state}),
+        "state_bytes": sum(v.numel() * v.element_size() for v in state),
+        "grad_accum": dtype_name(engine.get_data_types()[1]),
+        "params": sum(p.numel() for p in net.parameters()),
+    }
+    engine.destroy()
+    return out
+
+
 def main() -> None:
     mode, stages, outdir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], Path(sys.argv[3])
     import deepspeed
@@ -124,6 +172,11 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    if mode == "update":
+        for layout in UPDATES:
+            (outdir / f"update-{layout}-rank{rank}.json").write_text(
+                json.dumps(run_update(layout, rank)))
+        leave()
     for stage in stages:
         result = run_stage(mode, stage, rank)
         (outdir / f"{mode}-stage{stage}-rank{rank}.json").write_text(json.dumps(result))

@@ -1,0 +1,414 @@
+"""The update half: `master`, `grad` and `optim` per module, `optimizer`, and the plan's memory.
+
+The update is checked against the same update written by hand (the Apex O2 loop: fp32 master,
+gradient upcast, step, copy back), bit for bit; a resumed run against the run that did not
+stop, bit for bit; and the plan's memory against the bytes of every tensor a step leaves.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import precision_annot as pa
+from precision_annot import Policy, PrecisionPlan, bf16, fp32
+from precision_annot._src import update as update_module
+from precision_annot._src.demo_model import TinyTransformer
+from precision_annot._src.update import state_bytes
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(128, 64), nn.Linear(64, 128), nn.GELU(),
+                         nn.LayerNorm(128), nn.Linear(128, 128))
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 128, (32,), generator=torch.Generator().manual_seed(100 + step))
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(tokens).float(), tokens)
+
+
+# -- the spelling -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", [
+    "bf16-true,master=fp32,optim=8bit", "storage=bf16,master=stochastic,optim=bf16",
+    "master=fp32,grad=fp32,optim=4bit", "bf16-master", "compute=fp8,optim=fp8", "m=fp32,g=fp32"])
+def test_the_update_fields_parse_print_and_round_trip(text: str) -> None:
+    policy = Policy.parse(text)
+    assert Policy.parse(str(policy)) == policy
+    assert policy.master is not None or policy.optim is not None
+
+
+def test_the_bf16_master_preset_is_deepspeeds_bf16_layout() -> None:
+    assert Policy.parse("bf16-master") == Policy(compute=bf16, storage=bf16, comm=bf16,
+                                                 master=fp32, grad=fp32)
+
+
+def test_bad_update_values_name_the_field_and_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"for master.*or 'stochastic'"):
+        Policy.parse("master=8bit")
+    with pytest.raises(ValueError, match=r"for optim.*or a low-bit state: '8bit', '4bit', 'fp8'"):
+        Policy.parse("optim=int8")
+    with pytest.raises(ValueError, match=r"master=bf16 does not hold every value of its "
+                                         r"storage=fp32"):
+        pa.resolve(nn.Linear(2, 2), "fp32,master=bf16")
+    with pytest.raises(ValueError, match=r"grad=fp16 does not hold every value of its "
+                                         r"storage=bf16"):
+        pa.resolve(nn.Linear(2, 2), "bf16-true,grad=fp16")
+    with pytest.raises(ValueError, match=r"master='stochastic' writes each fp32 update into "
+                                         r"bf16.*storage is fp16"):
+        pa.resolve(nn.Linear(2, 2), "16-true,master=stochastic")
+
+
+def test_the_fields_are_inherited_round_trip_in_json_and_show_in_the_table() -> None:
+    @pa.precision(storage=bf16, master=fp32)
+    class Block(nn.Sequential):
+        pass
+
+    model = nn.Sequential(Block(nn.Linear(4, 4)), nn.Embedding(8, 4))
+    inherited = pa.resolve(model)["0.0"]
+    assert inherited.policy.master == fp32 and inherited.sources["master"] == "inherited"
+    # the later rule wins: the embedding's optim=fp32 comes after the general rule
+    pa.annotate(model, {"*": "bf16-true,master=fp32,optim=8bit", nn.Embedding: "optim=fp32"})
+    plan = pa.resolve(model)
+    assert plan["1"].policy.optim == fp32 and plan["0.0"].policy.optim == "8bit"
+    assert PrecisionPlan.from_json(plan.to_json()) == plan
+    header = str(plan).splitlines()[0].split()
+    assert header[2:9] == ["compute", "storage", "comm", "output", "master", "optim", "source"]
+    plain = str(pa.resolve(nn.Linear(2, 2), "bf16-mixed")).splitlines()[0].split()
+    assert "master" not in plain  # columns only when the plan sets them
+
+
+# -- the optimizer, against the update written by hand -----------------------------------------
+
+def apex_o2(model: nn.Module, steps: int, *, lr: float = 3e-3, clip: float | None = None,
+            schedule: bool = False) -> list[torch.Tensor]:
+    """Apex O2, by hand: bf16 model, fp32 masters, gradients upcast, AdamW steps the masters,
+    masters copied back rounded."""
+    masters = [p.detach().float().clone() for p in model.parameters()]
+    inner = torch.optim.AdamW(masters, lr=lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(inner, 2, 0.5) if schedule else None
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss_of(model, batch(step)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for m, p in zip(masters, model.parameters(), strict=True):
+            m.grad = p.grad.float()
+        inner.step()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters(), strict=True):
+                p.copy_(m)
+        if scheduler is not None:
+            scheduler.step()
+    return masters
+
+
+def planned(model: nn.Module, steps: int, *, lr: float = 3e-3, clip: float | None = None,
+            schedule: bool = False, **kw: Any) -> pa.PlanOptimizer:
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=lr, weight_decay=0.1, **kw)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if schedule else None
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, batch(step)).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+    return opt
+
+
+@pytest.mark.parametrize("options", [{}, {"clip": 0.5, "schedule": True}],
+                         ids=["plain", "clip-and-schedule"])
+def test_master_fp32_over_bf16_equals_the_apex_o2_loop_bit_for_bit(options: dict[str, Any]
+                                                                    ) -> None:
+    ours = pa.apply(mlp(), default="bf16-true,master=fp32")
+    hand = pa.apply(mlp(), default="bf16")
+    opt = planned(ours, 6, **options)
+    masters = apex_o2(hand, 6, **options)
+    for (name, p), q, m in zip(ours.named_parameters(), hand.parameters(), masters,
+                               strict=True):
+        assert p.dtype == bf16 and torch.equal(p, q), name
+        master = opt.master(p)
+        assert master is not None and master.dtype == fp32 and torch.equal(master, m), name
+
+
+def test_no_full_size_fp32_gradient_copy_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The masters' fp32 gradients exist a chunk at a time: at most the chunk's elements (or
+    one parameter's, when it is larger) are alive at once."""
+    model = pa.apply(mlp(), default="bf16-true,master=fp32")
+    monkeypatch.setattr(update_module, "CHUNK_BYTES", 4 * 9000)  # 9,000 fp32 elements
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    alive: list[int] = []
+    engine = opt.engines[0]
+    inner_step = engine.inner.step
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        alive.append(sum(m.grad.numel() for m in engine.masters.values() if m.grad is not None))
+        return inner_step(*args, **kwargs)
+
+    engine.inner.step = spy  # type: ignore[method-assign]
+    loss_of(model, batch(0)).backward()
+    opt.step()
+    largest = max(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert len(alive) > 1 and max(alive) <= max(9000, largest) < total
+    assert all(m.grad is None for m in engine.masters.values())  # freed after each chunk
+
+
+def test_a_resumed_run_continues_bit_for_bit(tmp_path: Any) -> None:
+    """Masters, low-bit states, gradient buffers and the step counters come back as they were:
+    the master is the truth, and the stored bf16 copy is derived from it on load."""
+    spec = "bf16-true,master=fp32,optim=8bit"
+    rules = {"*": spec, nn.LayerNorm: "fp32", "4": "bf16-true,master=fp32,grad=fp32"}
+
+    def build() -> tuple[nn.Module, pa.PlanOptimizer]:
+        model = mlp()
+        pa.annotate(model, rules)
+        pa.apply(model)
+        return model, pa.optimizer(model, torch.optim.AdamW, lr=3e-3)
+
+    def steps(model: nn.Module, opt: pa.PlanOptimizer, start: int, count: int) -> None:
+        for step in range(start, start + count):
+            opt.zero_grad()
+            loss_of(model, batch(step)).backward()
+            opt.step()
+
+    model, opt = build()
+    steps(model, opt, 0, 3)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "ck")
+    steps(model, opt, 3, 3)
+    again, reopened = build()
+    saved = torch.load(tmp_path / "ck", weights_only=False)
+    again.load_state_dict(saved["model"])
+    reopened.load_state_dict(saved["optimizer"])
+    steps(again, reopened, 3, 3)
+    for (name, p), q in zip(model.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        a, b = opt.master(p), reopened.master(q)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    low = [v for e in reopened.engines for s in e.inner.state.values() for v in s.values()
+           if type(v).__name__ == "OptimState8bit"]
+    assert low, "the 8-bit states came back 8-bit"
+
+
+def test_zero_grad_param_groups_and_a_bad_checkpoint() -> None:
+    model = pa.apply(mlp(), default="bf16-true,master=fp32")
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.0)
+    assert [g["master"] for g in opt.param_groups] == [fp32]
+    assert {p for g in opt.param_groups for p in g["params"]} == set(model.parameters())
+    opt.param_groups[0]["lr"] = 0.0  # a group's hyperparameters reach its engine
+    loss_of(model, batch(0)).backward()
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.param_groups[0]["params"],
+                                                  strict=True))
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="expects what PlanOptimizer.state_dict gives"):
+        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_grad_scaler_with_fp16_storage_and_fp32_masters_skips_an_overflow() -> None:
+    model = pa.apply(mlp(), default="16-true,master=fp32")
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=3e-3)
+    scaler = pa.GradScaler()
+    losses = []
+    for step in range(8):
+        opt.zero_grad()
+        loss = loss_of(model, batch(step))
+        scaler.scale(loss * (float("inf") if step == 3 else 1.0)).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = [m.clone() for m in opt.engines[0].masters.values()]
+        scaler.step(opt)
+        scaler.update()
+        moved = any(not torch.equal(a, b) for a, b in zip(
+            before, opt.engines[0].masters.values(), strict=True))
+        assert moved == (step != 3), step  # the overflowing step is skipped, masters unchanged
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+# -- gradients accumulated in fp32 ---------------------------------------------------------------
+
+def test_grad_fp32_accumulates_micro_batches_in_fp32_and_refuses_a_changed_view() -> None:
+    model = pa.apply(mlp(), default="bf16-true,master=fp32,grad=fp32")
+    twin = copy.deepcopy(model)
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    expected = {n: torch.zeros_like(p, dtype=fp32) for n, p in twin.named_parameters()}
+    for micro in range(4):
+        loss_of(model, batch(micro)).backward()
+        twin.zero_grad(set_to_none=True)
+        loss_of(twin, batch(micro)).backward()
+        for n, p in twin.named_parameters():
+            expected[n] += p.grad.float()  # each bf16 micro-batch gradient, summed in fp32
+    for n, p in model.named_parameters():
+        buffer = opt.buffers[id(p)]
+        assert torch.equal(buffer, expected[n]), n
+        assert torch.equal(p.grad, buffer.to(bf16)), n  # .grad: the buffer, rounded
+    norm = opt.clip_grad_norm_(1e-3)
+    assert norm > 1e-3
+    opt.step()  # through the optimizer's own clip, fine
+    opt.zero_grad()
+    assert all(b.abs().sum() == 0 for b in opt.buffers.values())
+    loss_of(model, batch(9)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # on the rounded view: refused
+    with pytest.raises(RuntimeError, match=r"was changed in place.*optimizer\.clip_grad_norm_"):
+        opt.step()
+
+
+def test_grad_scaler_unscales_the_fp32_buffers() -> None:
+    model = pa.apply(mlp(), default="bf16-true,master=fp32,grad=fp32")
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    scaler = pa.GradScaler(init_scale=1024.0)
+    scaler.scale(loss_of(model, batch(0))).backward()
+    scaled = {id(p): opt.buffers[id(p)].clone() for p in model.parameters()}
+    scaler.unscale_(opt)
+    for p in model.parameters():
+        assert torch.equal(opt.buffers[id(p)], scaled[id(p)] / 1024.0)
+    scaler.step(opt)  # the view was refreshed by the unscale, so the step is allowed
+    scaler.update()
+
+
+# -- low-bit states and stochastic rounding (torchao) ---------------------------------------------
+
+def test_stochastic_rounding_moves_bf16_weights_that_plain_bf16_leaves_still() -> None:
+    """200 updates of 1e-4 on weights of 1.0: plain bf16 storage never moves (an update below
+    2^-8 of a weight rounds away), stochastic rounding lands near fp32's 0.98."""
+    pytest.importorskip("torchao")
+
+    def run(spec: str) -> float:
+        torch.manual_seed(0)
+        model = pa.apply(nn.Linear(64, 64, bias=False), default=spec)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        # AdamW with betas 0 and no decay steps each weight by lr * sign(grad): 1e-4 a step
+        opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-4, weight_decay=0.0,
+                           betas=(0.0, 0.0), eps=1e-12)
+        for _ in range(200):
+            model.weight.grad = torch.ones_like(model.weight)
+            opt.step()
+        master = opt.master(model.weight)  # the truth, where there is one
+        return float((master if master is not None else model.weight).float().mean())
+
+    assert run("bf16-true") == 1.0  # every update rounds away
+    assert abs(run("fp32") - 0.98) < 1e-5
+    assert abs(run("bf16-true,master=stochastic") - 0.98) < 2e-3
+    assert abs(run("bf16-true,master=fp32") - 0.98) < 1e-5
+
+
+@pytest.mark.parametrize("state", ["8bit", "4bit", "fp8", "bf16"])
+def test_low_and_narrow_states_train_and_are_what_the_plan_says(state: str) -> None:
+    pytest.importorskip("torchao")
+    model = mlp()
+    pa.annotate(model, {"*": f"bf16-true,master=fp32,optim={state}", nn.LayerNorm: "fp32"})
+    pa.apply(model)
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=3e-3)
+    losses = []
+    for step in range(20):
+        opt.zero_grad()
+        loss = loss_of(model, batch(step % 4))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0]
+    big = model[1].weight  # 8,192 elements: quantized by torchao (4,096 or more)
+    exp_avg = next(e.inner.state[e.updated(big)]["exp_avg"] for e in opt.engines
+                   if id(big) in {id(p) for p in e.params})
+    kind = {"8bit": "OptimState8bit", "4bit": "OptimState4bit", "fp8": "OptimStateFp8"}
+    assert type(exp_avg).__name__ == kind.get(state, "Tensor")
+    if state == "bf16":
+        assert exp_avg.dtype == bf16  # kept in bf16 between steps
+
+
+def test_a_low_bit_state_needs_adam_and_says_so() -> None:
+    model = pa.apply(mlp(), default="bf16-true,master=fp32,optim=8bit")
+    with pytest.raises(ValueError, match=r"runs through torchao's Adam and AdamW, and "
+                                         r"optimizer_class is SGD"):
+        pa.optimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="must be a torch.optim.Optimizer class"):
+        pa.optimizer(model, "adamw", lr=0.1)  # type: ignore[arg-type]
+
+
+# -- a plain optimizer over a plan that keeps masters ------------------------------------------
+
+def test_a_plain_optimizer_over_planned_masters_is_stopped_with_the_fix() -> None:
+    """With master=fp32 planned, torch's AdamW over the bf16 parameters would step them
+    directly: the masters are ignored and small updates round away."""
+    model = pa.apply(mlp(), default="bf16-true,master=fp32")
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss_of(model, batch(0)).backward()
+    with pytest.raises(RuntimeError, match=r"AdamW\.step\(\): it updates parameter '0\.weight'"
+                                           r".*the plan says master=fp32.*precision_annot\."
+                                           r"optimizer\(model, torch\.optim\.AdamW"):
+        plain.step()
+    fine = pa.apply(mlp(), default="bf16-mixed")  # nothing planned for the update: untouched
+    other = torch.optim.AdamW(fine.parameters(), lr=1e-3)
+    loss_of(fine, batch(0)).backward()
+    other.step()
+
+
+# -- memory: planned against measured ---------------------------------------------------------
+
+LAYOUTS = {
+    "fp32 AdamW": ("fp32", {}),
+    "bf16-mixed": ("bf16-mixed", {}),
+    "bf16 + fp32 master + fp32 state": ("bf16-true,master=fp32", {}),
+    "the same, fp32 gradient accumulation": ("bf16-master", {}),
+    "bf16 + fp32 master + 8-bit state": ("bf16-true,master=fp32,optim=8bit", {}),
+    "stochastic + bf16 state": ("bf16-true,master=stochastic", {}),
+    "stochastic + 8-bit state": ("bf16-true,master=stochastic,optim=8bit", {}),
+}
+
+
+def measured_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                if p.grad is not None)
+    return params + grads + state_bytes(opt)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_measured_bytes_equal_the_plans_figure_on_a_gpt(layout: str) -> None:
+    pytest.importorskip("torchao")
+    spec, _ = LAYOUTS[layout]
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=256, d=64, layers=2, heads=4, gain=1.0)
+    pa.apply(model, default=spec)
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    tokens = torch.randint(0, 256, (4, 17))
+    nn.functional.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 256),
+                                tokens[:, 1:].reshape(-1)).backward()
+    opt.step()
+    plan = pa.applied_plan(model)
+    assert plan is not None
+    figure = plan.memory("adamw")
+    assert measured_bytes(model, opt) == figure.total()
+    per = figure.per_param()
+    expect = {"fp32 AdamW": 16, "bf16-mixed": 16, "bf16 + fp32 master + fp32 state": 16,
+              "the same, fp32 gradient accumulation": 20}
+    if layout in expect:
+        assert abs(per - expect[layout]) < 0.1, per
+    assert "bytes per parameter" in str(figure)
+
+
+def test_memory_refuses_an_unknown_optimizer_and_a_plan_without_shapes() -> None:
+    plan = pa.resolve(mlp(), "bf16-true,master=fp32")
+    with pytest.raises(ValueError, match=r"optimizer='lion' is not known here. Valid: 'adamw'"):
+        plan.memory("lion")
+    data = json.loads(plan.to_json())
+    for entry in data["modules"]:
+        del entry["facts"]
+    with pytest.raises(ValueError, match="holds no tensor shapes"):
+        PrecisionPlan.from_json(json.dumps(data)).memory()
+    assert plan.memory(torch.optim.SGD, momentum=0.9).per_param("state_bytes") == 4.0
