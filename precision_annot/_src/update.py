@@ -424,7 +424,7 @@ class PlanOptimizer(Optimizer):
                                                    for p in g["params"])}
         return {
             "param_groups": outer["param_groups"],
-            "engines": [engine.inner.state_dict() for engine in self.engines],
+            "engines": [_portable(engine.inner.state_dict()) for engine in self.engines],
             "masters": {index[k]: m for e in self.engines for k, m in e.masters.items()},
             "buffers": {index[k]: b for k, b in self.buffers.items()},
         }
@@ -475,10 +475,51 @@ def _load_inner(engine: _Engine, state: dict[str, Any]) -> None:
     low-bit one), so the saved tensors are put back as they are (torchao's low-bit tensors
     cannot be cloned: the state holds the loaded ones)."""
     inner = engine.inner
+    state = _rebuilt(state)
     inner.load_state_dict(state)
     params = [p for g in inner.param_groups for p in g["params"]]
     for index, saved in state["state"].items():
         inner.state[params[index]] = dict(saved)
+
+
+_SUBCLASS = "__tensor_subclass__"
+
+
+def _portable(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state_dict with torchao's low-bit state tensors (tensor subclasses) saved
+    as their plain inner tensors, so that any `torch.load` reads it back: Lightning's, with a
+    callable map_location, cannot rebuild a tensor subclass, and `weights_only=True` refuses
+    one."""
+    def plain(value: Any) -> Any:
+        flatten = getattr(value, "__tensor_flatten__", None)
+        if flatten is None or not type(value).__module__.startswith("torchao"):
+            return value
+        names, ctx = flatten()
+        cls = type(value)
+        return {_SUBCLASS: f"{cls.__module__}:{cls.__qualname__}", "ctx": ctx,
+                "inner": {n: getattr(value, n) for n in names}, "size": tuple(value.shape),
+                "stride": tuple(value.stride())}
+
+    return {**state, "state": {k: {n: plain(v) for n, v in s.items()}
+                               for k, s in state["state"].items()}}
+
+
+def _rebuilt(state: dict[str, Any]) -> dict[str, Any]:
+    """`_portable`, undone."""
+    import importlib
+
+    def tensor(value: Any) -> Any:
+        if not (isinstance(value, dict) and _SUBCLASS in value):
+            return value
+        module, _, name = value[_SUBCLASS].partition(":")
+        cls: Any = importlib.import_module(module)
+        for part in name.split("."):
+            cls = getattr(cls, part)
+        return cls.__tensor_unflatten__(value["inner"], value["ctx"], value["size"],
+                                        value["stride"])
+
+    return {**state, "state": {k: {n: tensor(v) for n, v in s.items()}
+                               for k, s in state["state"].items()}}
 
 
 def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /, *,
@@ -563,9 +604,12 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /, *,
 
 
 def state_bytes(optimizer: Optimizer) -> int:
-    """The bytes of every tensor an optimizer's state holds (a low-bit state's codes, scales
-    and maps included), masters and gradient buffers of a `PlanOptimizer` included."""
+    """The bytes of every tensor an optimizer's state holds on this rank (a low-bit state's
+    codes, scales and maps included; a DTensor's local shard), masters and gradient buffers of
+    a `PlanOptimizer` included."""
     def nbytes(t: torch.Tensor) -> int:
+        if hasattr(t, "to_local"):  # a DTensor: this rank's shard
+            t = t.to_local()
         inner = getattr(t, "__tensor_flatten__", None)
         if inner is not None and type(t) is not torch.Tensor and type(t) is not nn.Parameter:
             names, _ = inner()

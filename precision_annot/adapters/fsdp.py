@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -199,7 +199,11 @@ def fully_shard(
 
     Each unit gets `MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=comm,
     output_dtype=output, cast_forward_inputs=False)`: inputs are cast by the plan's boundaries,
-    so `keep_dtype` arguments such as rotary tables keep their dtype.
+    so `keep_dtype` arguments such as rotary tables keep their dtype. A module with a master
+    copy (`storage=bf16,master=fp32`) is sharded in the master's dtype and gathered in its
+    storage's: the fp32 shards are the masters, and `precision_annot.optimizer` (or any
+    optimizer) steps them; its `optim` states (torchao's low-bit ones included) live on the
+    shards.
 
     Args:
         model: the model, on its device, not yet sharded.
@@ -225,8 +229,10 @@ def fully_shard(
         )
     model = unwrap(model)
     plan = plan_of(model) if plan is None else plan
+    plan, gathered = masters_as_shards(plan)
     apply(model, plan)
-    shards = plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))
+    shards = [dataclasses.replace(u, param_dtype=u.param_dtype or _gathered_in(u, gathered))
+              for u in plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))]
     for unit, detail in _mixed(shards, plan)[:1]:
         raise ValueError(f"FSDP unit {unit.name or '(root)'!r} {_mixed_message(detail)} "
                          f"{MIXED_FIX}")
@@ -234,6 +240,27 @@ def fully_shard(
     for unit in shards:
         _fully_shard(named[unit.name], mp_policy=_mp2(unit), **fully_shard_kwargs)
     return model
+
+
+def masters_as_shards(plan: PrecisionPlan) -> tuple[PrecisionPlan, dict[str, torch.dtype]]:
+    """FSDP2 keeps each parameter's shard apart from the copy it gathers, so a master copy
+    needs no third tensor: a module with `master` wider than `storage` is sharded in the master
+    dtype and gathered in its storage dtype (`storage=bf16,master=fp32`: fp32 shards gathered
+    in bf16, the optimizer stepping the shards). Returns the plan FSDP runs and, per such
+    module, the dtype its parameters are gathered in."""
+    changed = {n: dataclasses.replace(e.policy, storage=cast(torch.dtype, e.policy.master))
+               for n, e in plan.items() if e.policy.copies_master}
+    if not changed:
+        return plan, {}
+    gathered = {n: plan[n].policy.storage for n in changed}
+    return plan.with_policies(changed), {n: d for n, d in gathered.items() if d is not None}
+
+
+def _gathered_in(unit: Unit, gathered: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The dtype a unit gathers in when its members' masters are its shards (the narrowest
+    storage among them: what their forwards were planned to see)."""
+    dtypes = {gathered[m] for m in unit.holders if m in gathered}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
 
 
 def precompute_float8_scales(model: nn.Module) -> None:

@@ -207,3 +207,48 @@ def test_lightnings_own_demo_transformer_runs_as_lightnings_bf16_true() -> None:
     ours = losses(plugins=[AnnotatedPrecision(default="bf16-true")])
     assert ours == lightnings and all(math.isfinite(v) for v in ours)
     assert torch.get_default_dtype() == torch.float32  # restored after each forward
+
+
+def test_the_update_half_under_the_trainer_resumes_exactly(tmp_path: Path) -> None:
+    """configure_optimizers returns precision_annot.optimizer (the plugin has applied the plan
+    by then); a run stopped at step 3 and resumed from its checkpoint ends where the run that
+    did not stop ends, bit for bit: the checkpoint holds the fp32 masters and 8-bit states."""
+    pytest.importorskip("torchao")
+    import precision_annot as pa
+
+    class Lit(L.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(nn.Linear(8, 128), nn.GELU(), nn.Linear(128, 64))
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return pa.optimizer(self, torch.optim.AdamW, lr=1e-2)
+
+    def fit(steps: int, ckpt: str | None = None) -> Lit:
+        # one batch an epoch: Lightning resumes a loader without state at another batch, and
+        # with one batch every step sees the same data
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(8, 8, generator=gen)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+            x, torch.randn(8, 64, generator=gen)), batch_size=8)
+        module = Lit()
+        trainer = L.Trainer(max_steps=steps, default_root_dir=tmp_path, **QUIET,
+                            plugins=[AnnotatedPrecision(
+                                default="bf16-true,master=fp32,optim=8bit")])
+        trainer.fit(module, data, ckpt_path=ckpt)
+        if ckpt is None and steps == 3:
+            trainer.save_checkpoint(tmp_path / "step3.ckpt")
+        return module
+
+    whole = fit(6)
+    fit(3)
+    resumed = fit(6, str(tmp_path / "step3.ckpt"))
+    assert whole.net[0].weight.dtype == torch.bfloat16
+    assert not torch.equal(whole.net[0].weight, Lit().net[0].weight.to(torch.bfloat16))
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

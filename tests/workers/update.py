@@ -1,0 +1,98 @@
+"""One rank of a 2-rank gloo run of the update half: `python -m torch.distributed.run
+--nproc_per_node 2 -m tests.workers.update MODE OUTDIR` with MODE "fsdp2" or "ddp".
+
+The model is bf16 with fp32 masters and 8-bit AdamW state ("bf16-true,master=fp32,optim=8bit",
+its norm an fp32 island), trained 4 steps with `precision_annot.optimizer`. Each rank writes
+OUTDIR/MODE-rank{N}.json: what it held (parameter and state dtypes, bytes on this rank), what
+its Linear layers computed in, the losses, and its parameters whole.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import precision_annot as pa
+from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.update import state_bytes
+from precision_annot.adapters import ddp as ddp_adapter
+from precision_annot.adapters import fsdp as fsdp_adapter
+from tests.workers import leave
+
+SPEC = "bf16-true,master=fp32,optim=8bit"
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 64))
+    pa.annotate(net, {"*": SPEC, nn.LayerNorm: "fp32"})
+    return net
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def main() -> None:
+    mode, outdir = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    net = model()
+    plan = pa.resolve(net)
+    if mode == "fsdp2":
+        runner: nn.Module = fsdp_adapter.fully_shard(net, plan)
+    else:
+        pa.apply(net, plan)
+        runner = nn.parallel.DistributedDataParallel(net)
+        runner.register_comm_hook(None, ddp_adapter.comm_hook(pa.applied_plan(net)))
+    seen: dict[str, str] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            seen.setdefault(name, dtype_name(out.dtype))
+
+        return hook
+
+    for name, module in net.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(record(name))
+    optimizer = pa.optimizer(net, torch.optim.AdamW, lr=3e-3)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(32, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    losses = []
+    for _ in range(4):
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(runner(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    params = list(net.parameters())
+    held = sum(local(p).numel() * local(p).element_size() for p in params)
+    grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in params
+                if p.grad is not None)
+    kinds = sorted({type(local(v)).__name__ for e in optimizer.engines
+                    for s in e.inner.state.values() for k, v in s.items() if k == "exp_avg"})
+    whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double()
+             .flatten().tolist() for n, p in net.named_parameters()}
+    out: dict[str, Any] = {
+        "losses": losses,
+        "storage": {n: dtype_name(local(p).dtype) for n, p in net.named_parameters()},
+        "seen": seen,
+        "state_kinds": kinds,
+        "bytes": held + grads + state_bytes(optimizer),
+        "params": whole,
+        "masters": sorted({dtype_name(m.dtype) for e in optimizer.engines
+                           for m in e.masters.values()}),
+    }
+    (outdir / f"{mode}-rank{rank}.json").write_text(json.dumps(out))
+    leave()
+
+
+if __name__ == "__main__":
+    main()
