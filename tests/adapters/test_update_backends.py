@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+import precision_annot as pa
 from tests.helpers import launch
+from tests.workers.update import model
 
 pytest.importorskip("torchao")
 
@@ -26,10 +28,6 @@ def ranks(mode: str, tmp_path: Path) -> list[dict[str, Any]]:
 def test_fsdp2_shards_the_fp32_masters_and_gathers_them_in_bf16(tmp_path: Path) -> None:
     """storage=bf16,master=fp32 under FSDP2: fp32 shards (the masters, no third copy),
     gathered in bf16 for the forward, 8-bit states on the shards; each rank holds half."""
-    from tests.workers.update import model
-
-    import precision_annot as pa
-
     fsdp2 = ranks("fsdp2", tmp_path)
     figure = pa.resolve(model()).memory("adamw")
     for r in fsdp2:
@@ -45,10 +43,6 @@ def test_fsdp2_shards_the_fp32_masters_and_gathers_them_in_bf16(tmp_path: Path) 
 
 @pytest.mark.slow  # 6 s: the same run under DDP, each rank a replica
 def test_ddp_keeps_masters_per_rank_and_matches_fsdp2(tmp_path: Path) -> None:
-    from tests.workers.update import model
-
-    import precision_annot as pa
-
     ddp = ranks("ddp", tmp_path / "ddp")
     fsdp2 = ranks("fsdp2", tmp_path / "fsdp2")
     figure = pa.resolve(model()).memory("adamw")
