@@ -146,7 +146,7 @@ def test_no_full_size_fp32_gradient_copy_is_made(monkeypatch: pytest.MonkeyPatch
     """The masters' fp32 gradients exist a chunk at a time: at most the chunk's elements (or
     one parameter's, when it is larger) are alive at once."""
     model = pa.apply(mlp(), default="bf16-true,master=fp32")
-    monkeypatch.setattr(update_module, "CHUNK_BYTES", 4 * 9000)  # 9,000 fp32 elements
+    monkeypatch.setattr(update_module, "CHUNK_BYTES", 4 * 9000)  # at most 9,000 fp32 elements
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
     alive: list[int] = []
     engine = opt.engines[0]

@@ -45,6 +45,7 @@ _ADAM_FAMILY = ("Adam", "AdamW")
 #: the keys of a group that say how it is updated, not hyperparameters
 _OURS = ("master", "grad", "optim", "names")
 #: the most bytes of fp32 gradients (or upcast state) made at once for one chunk of a step
+#: (and never more than an eighth of a group's elements, unless one parameter is larger)
 CHUNK_BYTES = 64 * 1024 * 1024
 
 
@@ -135,7 +136,11 @@ class _TorchEngine(_Engine):
             group["params"] = everything
 
     def _chunk_numel(self) -> int:
-        return max(CHUNK_BYTES // 4, 1)
+        """Elements per chunk: at most CHUNK_BYTES of fp32 and an eighth of the group, but
+        at least its largest parameter (a parameter is stepped whole), so that no fp32 copy
+        of every gradient is made even on a small model."""
+        sizes = [p.numel() for p in self.params]
+        return max(max(sizes, default=1), min(CHUNK_BYTES // 4, sum(sizes) // 8))
 
     def _state(self, updated: list[torch.Tensor], *, up: bool) -> None:
         """A state kept in `optim` between steps is upcast to the dtype of what it updates for
