@@ -29,7 +29,8 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
                    "4. The same model in plain fp32", "final loss", "5. The same plan as a "
                    "DeepSpeed config", "6. Which modules does fp16 need in fp32?",
                    "fp32 islands (2, ", "7. The same model trained",
-                   "8. Before launching the suggested plan", "[deepspeed-fp16-zero]"):
+                   "8. Before launching the suggested plan", "[deepspeed-fp16-zero]",
+                   "10. The optimizer step, per module too"):
         assert marker in out
     losses = next(line for line in out.splitlines() if "final loss" in line).split()
     annotated, fp32 = float(losses[2]), float(losses[3])
@@ -45,6 +46,16 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
         gap = re.search(r"fp8 ends (\S+)% from bf16", out)
         assert gap and abs(float(gap.group(1)) / 100 - abs(fp8 - bf16) / bf16) < 1e-3
         assert "audit: 8 Linear layers ran fp8 GEMMs, the head none (0 divergences" in out
+    # 10: the update half: bytes per parameter planned and measured agree, and every layout
+    # trains as fp32 AdamW does
+    rows = re.findall(r"^    (fp32 AdamW|bf16 \+ fp32 master.*?)\s+([\d.]+),\s+([\d.]+)"
+                      r"\s+([\d.]+)$", out, re.M)
+    assert len(rows) >= 2, out[-2000:]
+    reference = float(rows[0][3])
+    for label, planned, measured, loss in rows:
+        assert planned == measured, label
+        assert abs(float(loss) - reference) < 0.02 * reference, label
+    assert float(rows[0][1]) == 16.0
 
 
 def _norms_fp32(model: nn.Module, low: str) -> nn.Module:

@@ -30,14 +30,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from precision_annot._src import float8
 from precision_annot._src.annotation import annotate
 from precision_annot._src.checking import check
-from precision_annot._src.demo_model import TinyTransformer, build_model
+from precision_annot._src.demo_model import Norm, TinyTransformer, build_model
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.resolution import resolve
-from precision_annot._src.runtime import apply
+from precision_annot._src.runtime import applied_plan, apply
 from precision_annot._src.scaler import GradScaler
 from precision_annot._src.suggestion import suggest
+from precision_annot._src.update import optimizer, state_bytes
 
 VOCAB, SEQ = 64, 32
 
@@ -149,6 +151,7 @@ def run_demo(*, fast: bool = False, out: str | Path = "demo-output") -> int:
     suggested = islands_demo(steps)
     check_demo(suggested)
     fp8_demo(steps)
+    update_demo(steps)
     print("\nNext: docs/index.md for the tour, docs/cookbook/ for recipes, "
           "`precision-annot report pkg.module:make_model` for your own model.")
     return 0
@@ -280,3 +283,40 @@ def fp8_demo(steps: int) -> None:
     codes = sorted({f.code for f in check(fp8_model)})
     print(f"   check: {', '.join(codes) or 'nothing'} (on a GPU these GEMMs are too small to "
           "gain; docs/fp8.md)")
+
+
+def update_demo(steps: int) -> None:
+    """Section 10: the update half: masters, gradient accumulation and optimizer state per
+    layout, bytes per parameter measured against planned, and the losses side by side."""
+    print("\n10. The optimizer step, per module too: precision_annot.optimizer(model,")
+    print("    torch.optim.AdamW) keeps what each module's master, grad and optim fields say.")
+    layouts: dict[str, tuple[str, dict[Any, str]]] = {
+        "fp32 AdamW": ("fp32", {}), "bf16 + fp32 master (DeepSpeed)": ("bf16-master", {})}
+    if float8.available():  # the low-bit states are torchao's
+        layouts["bf16 + fp32 master + 8-bit state"] = ("bf16-true,master=fp32,optim=8bit",
+                                                       {nn.Embedding: "optim=fp32"})
+    width = max(map(len, layouts))
+    print(f"    {'layout':<{width}}  bytes/param (planned, measured)  final loss")
+    for label, (spec, rules) in layouts.items():
+        torch.manual_seed(0)
+        model = TinyTransformer(vocab=VOCAB, gain=1.0)
+        rules_here: dict[Any, str] = {"*": spec, Norm: "fp32", **rules}
+        annotate(model, rules_here)
+        apply(model)
+        opt = optimizer(model, torch.optim.AdamW, lr=3e-3)
+        loss = torch.tensor(0.0)
+        for tokens in _batches(steps):
+            loss = _next_token_loss(model(tokens[:, :-1]), tokens)
+            opt.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+        params = list(model.parameters())
+        held = sum(p.numel() * p.element_size() for p in params) + sum(
+            p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+        plan = applied_plan(model)
+        assert plan is not None
+        figure = plan.memory("adamw")
+        measured = (held + state_bytes(opt)) / figure.params
+        print(f"    {label:<{width}}  {figure.per_param():6.2f}, {measured:6.2f}"
+              f"{'':18}{loss.item():.6f}")
+    print("    docs/update.md: stochastic rounding, 4-bit and fp8 states, and the backends.")
