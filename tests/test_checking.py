@@ -19,10 +19,10 @@ def test_bad_arguments_name_the_argument_and_the_valid_values() -> None:
                                          r"Received: backend='horovod'"):
         check(model(), "horovod")
     with pytest.raises(ValueError, match=r"backend='local' has unknown key 'stage'; valid: "
-                                         r"\['grad_scaler'\]"):
+                                         r"\['grad_scaler', 'optimizer'\]"):
         check(model(), "local", {"stage": 2})
     with pytest.raises(ValueError, match=r"unknown key 'bucket_cap'; valid: \['bucket_cap_mb', "
-                                         r"'grad_scaler'\]"):
+                                         r"'grad_scaler', 'optimizer'\]"):
         check(model(), "ddp", {"bucket_cap": 25})
     with pytest.raises(TypeError, match=r"config for backend='fsdp' is a dict"):
         check(model(), "fsdp", 0.01)

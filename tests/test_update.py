@@ -469,3 +469,18 @@ def test_each_layout_lands_where_the_docs_say_after_300_steps() -> None:
     assert "low-storage" in {f.code for f in pa.check(pa.resolve(model, "bf16-true"))}
     assert "low-storage" not in {f.code for f in pa.check(pa.resolve(
         model, "bf16-true,master=fp32"))}
+
+
+def test_check_names_a_plain_optimizer_that_would_drop_the_update_half() -> None:
+    """Backed by the run itself: the same optimizer's first step is refused."""
+    model = pa.apply(mlp(), default="bf16-true,master=fp32")
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    (found,) = [f for f in pa.check(model, "local", {"optimizer": plain})
+                if f.code == "optimizer-ignores-update"]
+    assert found.severity == "error" and "master=fp32" in found.message
+    loss_of(model, batch(0)).backward()
+    with pytest.raises(RuntimeError, match="precision_annot.optimizer"):
+        plain.step()
+    ours = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    assert "optimizer-ignores-update" not in {
+        f.code for f in pa.check(model, "ddp", {"optimizer": ours})}

@@ -15,9 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.findings import SEVERITIES, Finding, numerics
+from precision_annot._src.dtypes import STOCHASTIC
+from precision_annot._src.findings import SEVERITIES, Finding, listing, numerics
 from precision_annot._src.float8_checks import fp8_findings
 from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import UPDATE_FIELDS
 from precision_annot._src.runtime import subject
 
 __all__ = ["BACKENDS", "check"]
@@ -27,10 +29,11 @@ BACKENDS = ("local", "deepspeed", "fsdp", "fsdp1", "ddp", "lightning")
 #: the keys `config` may hold, per backend (DeepSpeed takes its whole config, Lightning the
 #: Trainer's keyword arguments); `grad_scaler: True` says the training loop scales the loss
 _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "local": ("grad_scaler",),
-    "fsdp": ("units", "merge_below", "latency_s", "bandwidth", "grad_scaler"),
-    "fsdp1": ("merge_below", "latency_s", "bandwidth", "use_orig_params", "grad_scaler"),
-    "ddp": ("bucket_cap_mb", "grad_scaler"),
+    "local": ("grad_scaler", "optimizer"),
+    "fsdp": ("units", "merge_below", "latency_s", "bandwidth", "grad_scaler", "optimizer"),
+    "fsdp1": ("merge_below", "latency_s", "bandwidth", "use_orig_params", "grad_scaler",
+              "optimizer"),
+    "ddp": ("bucket_cap_mb", "grad_scaler", "optimizer"),
 }
 
 Comm = dict[str, torch.dtype] | None
@@ -81,7 +84,8 @@ def _fsdp(backend: str) -> Checker:
             options: Any) -> Checked:
         from precision_annot.adapters import fsdp
 
-        options = {k: v for k, v in (options or {}).items() if k != "grad_scaler"}
+        options = {k: v for k, v in (options or {}).items()
+                   if k not in ("grad_scaler", "optimizer")}
         if "units" in options and model is None:
             raise ValueError("check: config 'units' selects modules, so it needs the model, and "
                              "this plan holds none (it was loaded from JSON, or its model is "
@@ -101,7 +105,7 @@ def _ddp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None
          options: Any) -> Checked:
     from precision_annot.adapters import ddp
 
-    options = {k: v for k, v in (options or {}).items() if k != "grad_scaler"}
+    options = {k: v for k, v in (options or {}).items() if k not in ("grad_scaler", "optimizer")}
     ddp_model = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
     return ddp.findings(plan, ddp_model, **options), ddp.reduced(plan, ddp_model)[0], None
 
@@ -118,6 +122,32 @@ def _applied(model: nn.Module) -> bool:
     from precision_annot._src.runtime import applied_plan
 
     return applied_plan(model) is not None
+
+
+def _optimizer(plan: PrecisionPlan, optimizer: Any) -> list[Finding]:
+    """An optimizer that steps the parameters themselves, for a plan that keeps masters,
+    gradient buffers or other state dtypes for them: that update half is dropped (its first
+    step is refused by the step guard `apply` installs)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("check: config 'optimizer' is the optimizer you will step. Received: "
+                        f"{optimizer!r} (of type {type(optimizer).__name__})")
+    if getattr(optimizer, "_precision_annot_updates", False):
+        return []
+    planned = [n for n, e in plan.items() if e.params and any(
+        getattr(e.policy, f) is not None for f in UPDATE_FIELDS) and (
+            e.policy.copies_master or e.policy.accumulates or e.policy.optim is not None
+            or e.policy.master == STOCHASTIC)]
+    if not planned:
+        return []
+    first = plan[planned[0]].policy
+    return [Finding(
+        "error", "optimizer-ignores-update", planned[0],
+        f"{type(optimizer).__name__} steps the parameters themselves, and the plan keeps "
+        f"{', '.join(f'{f}={first.show(f)}' for f in UPDATE_FIELDS if getattr(first, f))} "
+        f"for {listing(planned)}: that update half is dropped (with master=fp32 over bf16, "
+        "updates below 2^-8 of a weight round away). Its first step() is refused.",
+        f"precision_annot.optimizer(model, torch.optim.{type(optimizer).__name__}, lr=...)",
+        tuple(planned))]
 
 
 _CHECKS: dict[str, Checker] = {
@@ -149,7 +179,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             dict, or a JSON or hjson file; None: what `to_config(plan)` exports), with
             `prepare(model)` called before `initialize`.
             Lightning: the Trainer's keyword arguments (`precision`, `plugins`, `strategy`,
-            `accelerator`). FSDP: `units` (FSDP2, with a model) and `merge_below` as
+            `accelerator`). Local, DDP and FSDP: `optimizer`, the optimizer you will step
+            (one that ignores the plan's masters or states is an error). FSDP: `units`
+            (FSDP2, with a model) and `merge_below` as
             `fully_shard` takes them, the cost model's `latency_s` and `bandwidth`, and for
             FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. Local, DDP and FSDP:
             `grad_scaler=True` when the training loop scales the loss. (Default: None)
@@ -185,6 +217,8 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         backend) else ([], None, None)
     scaled = bool(isinstance(options, Mapping) and options.get("grad_scaler"))
     found = numerics(plan, backend, comm=comm, stored=stored, scaled=scaled) + found
+    if isinstance(options, Mapping) and options.get("optimizer") is not None:
+        found += _optimizer(plan, options["optimizer"])
     found += fp8_findings(plan, backend)
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
 
