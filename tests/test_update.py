@@ -484,3 +484,28 @@ def test_check_names_a_plain_optimizer_that_would_drop_the_update_half() -> None
     ours = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
     assert "optimizer-ignores-update" not in {
         f.code for f in pa.check(model, "ddp", {"optimizer": ours})}
+
+
+def test_audit_with_the_optimizer_reports_what_the_step_did() -> None:
+    """Per parameter: the gradient's dtype, the master and state the optimizer held, whether
+    the step changed it; and divergences for a master other than planned and an update that
+    rounded away."""
+    model = mlp()
+    pa.annotate(model, {"*": "bf16-true,master=fp32", "4": "bf16-true,master=fp32,optim=8bit"})
+    pa.apply(model)
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    with pa.audit(model, optimizer=opt) as report:
+        loss_of(model, batch(0)).backward()
+        opt.step()
+    done = report["4"].updates["weight"]
+    assert (done.grad, done.master, done.changed) == (bf16, fp32, True)
+    assert done.state["exp_avg"] == "OptimState8bit"
+    assert report["1"].updates["weight"].state["exp_avg"] == "fp32"
+    assert report.divergences == []
+    bare = pa.apply(mlp(), default="bf16-true")  # no master: an update of 1e-6 rounds away
+    plain = torch.optim.SGD(bare.parameters(), lr=1e-6)
+    with pa.audit(bare, pa.resolve(bare, "bf16-true,master=fp32"), optimizer=plain) as r:
+        loss_of(bare, batch(0)).backward()
+        plain.step()
+    fields = {(d.module, d.field) for d in r.divergences}
+    assert ("1", "master") in fields and ("1", "update") in fields

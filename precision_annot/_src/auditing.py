@@ -30,13 +30,13 @@ from precision_annot._src.execution import Execution, Kind, Site, compile_plan
 from precision_annot._src.float8 import is_fp8_tensor
 from precision_annot._src.guards import require_module, require_plan
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
-from precision_annot._src.policy import Policy, autocast_mode
+from precision_annot._src.policy import Policy, autocast_mode, update_key
 from precision_annot._src.runtime import check_matches, find_boundary, plan_of
 from precision_annot._src.tables import format_table
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
 from precision_annot._src.wrappers import unwrap
 
-__all__ = ["AuditReport", "Divergence", "ModuleRecord", "audit"]
+__all__ = ["AuditReport", "Divergence", "ModuleRecord", "UpdateRecord", "audit"]
 
 Phase: TypeAlias = Literal["forward", "backward", "state"]
 
@@ -45,6 +45,24 @@ _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_a
 #: the ops a Linear's GEMM reaches dispatch as (torchao's fp8 tensors arrive as mm/addmm)
 _GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_grouped_mm",
                     "matmul", "linear", "_grouped_mm"})
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRecord:
+    """What one optimizer step did with one parameter (`audit(model, optimizer=...)`).
+
+    Attributes:
+        grad: the dtype of the gradient the step read (an accumulation buffer's, if any).
+        master: the dtype of the master copy it updated, or None (the parameter itself).
+        state: the optimizer's state tensors for it, by name: a dtype name, or the class of a
+            low-bit state ("OptimState8bit").
+        changed: whether what the step updates (the master, where there is one) changed.
+    """
+
+    grad: torch.dtype | None
+    master: torch.dtype | None
+    state: dict[str, str]
+    changed: bool
 
 
 @dataclasses.dataclass
@@ -71,6 +89,8 @@ class ModuleRecord:
             its weight (or a copy autocast made of it) in high precision, wherever they ran
             (a parent calling `F.linear(x, fc.weight)`, `MultiheadAttention` using its
             `out_proj`'s weight), per phase.
+        updates: with `audit(model, optimizer=...)`, what the optimizer's last step in the
+            block did with each of its parameters (an `UpdateRecord`), by name.
     """
 
     name: str
@@ -88,6 +108,7 @@ class ModuleRecord:
     gemms: Counter[str] = dataclasses.field(default_factory=Counter)
     fp8_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
     high_weight_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
+    updates: dict[str, UpdateRecord] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +183,26 @@ def _gemm(name: str, policy: Policy, planned: bool, record: ModuleRecord
             yield Divergence(name, "gemm", high, f"fp8 ({fp8} of {ran} GEMMs)", phase)
 
 
+def _update(entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
+    """The optimizer's step against the plan's update half: the master dtype it updated, and a
+    parameter whose gradient was not zero left unchanged (its update rounded away, or the
+    optimizer never saw it)."""
+    policy = entry.policy
+    for pname, done in record.updates.items():
+        probe = record.tensors.get(pname, ("param", torch.float32))[1]
+        key = update_key(policy.master, policy.grad, policy.optim,
+                         torch.empty(0, dtype=probe))
+        planned = key.master if isinstance(key.master, torch.dtype) else None
+        if planned != done.master:
+            yield Divergence(entry.name, "master", dtype_name(planned) if planned else "none",
+                             f"{dtype_name(done.master) if done.master else 'none'} for "
+                             f"{pname}", "state")
+        if not done.changed:
+            yield Divergence(entry.name, "update", "changed", f"{pname} unchanged by the step "
+                             "(its update rounded away, or the optimizer never saw it)",
+                             "state")
+
+
 def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
     """Rule 3: the autocast state the module's own code ran under."""
     mode = autocast_mode(policy)
@@ -234,6 +275,7 @@ class AuditReport:
                 out.extend(_autocast(entry.name, entry.policy, record))
                 out.extend(self._storage(entry, record))
                 out.extend(_output(entry, record, site))
+                out.extend(_update(entry, record))
         return out
 
     def _boundary(self, entry: ModulePlan, record: ModuleRecord, site: Site | None
@@ -507,10 +549,15 @@ class audit:
         []
     """
 
-    def __init__(self, model: nn.Module, plan: PrecisionPlan | None = None) -> None:
+    def __init__(self, model: nn.Module, plan: PrecisionPlan | None = None, *,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         require_module(model, "audit")
         if plan is not None:
             require_plan(plan, "audit")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError("audit: optimizer is the torch.optim.Optimizer you step inside the "
+                            f"block. Received: optimizer={optimizer!r}")
+        self.optimizer = optimizer
         self.model = unwrap(model)
         self.plan = plan or plan_of(self.model)
         self._handles: list[RemovableHandle] = []
@@ -545,9 +592,47 @@ class audit:
                                  [n for n, e in self.plan.items() if e.policy.gemm])]
         for mode in self._modes:
             mode.__enter__()
+        if self.optimizer is not None:
+            self._watch_step(self.optimizer, names, records)
         self.report = AuditReport(self.plan, execution, records, installed)
         self._names = names
         return self.report
+
+    def _watch_step(self, optimizer: torch.optim.Optimizer, names: dict[nn.Module, str],
+                    records: dict[str, ModuleRecord]) -> None:
+        """Record what each step of `optimizer` inside the block does with every parameter."""
+        owners = {id(p): (names[m], pname) for m in names
+                  for pname, p in m.named_parameters(recurse=False)}
+        before: dict[int, torch.Tensor] = {}
+        grads: dict[int, torch.dtype] = {}
+
+        def pre(opt: Any, args: Any, kwargs: Any) -> None:
+            before.clear()
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    grad = opt.gradient(p) if hasattr(opt, "gradient") else p.grad
+                    if grad is not None and bool(grad.ne(0).any()):
+                        before[id(p)] = _updated(opt, p).detach().clone()
+                        grads[id(p)] = grad.dtype
+
+        def post(opt: Any, args: Any, kwargs: Any) -> None:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    owner = owners.get(id(p))
+                    if owner is None or id(p) not in before:
+                        continue
+                    master = opt.master(p) if hasattr(opt, "master") else None
+                    state = _state_of(opt, p)
+                    records[owner[0]].updates[owner[1]] = UpdateRecord(
+                        grads[id(p)], None if master is None else master.dtype,
+                        {k: (type(v).__name__ if type(v) is not torch.Tensor
+                             and type(v) is not nn.Parameter else dtype_name(v.dtype))
+                         for k, v in state.items()
+                         if isinstance(v, torch.Tensor) and v.numel() > 1},
+                        not torch.equal(before[id(p)], _updated(opt, p).detach()))
+
+        self._handles.append(optimizer.register_step_pre_hook(pre))
+        self._handles.append(optimizer.register_step_post_hook(post))
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -561,6 +646,22 @@ class audit:
         assert self.report is not None
         for module, name in self._names.items():  # storage as it is at the end of the block
             self.report.records[name].tensors.update(_own_tensors(module))
+
+
+def _updated(optimizer: Any, param: torch.Tensor) -> torch.Tensor:
+    """What the step updates for `param`: its master copy where there is one (the stored copy
+    is rounded from it, and may round to where it was)."""
+    master = optimizer.master(param) if hasattr(optimizer, "master") else None
+    return master if master is not None else param
+
+
+def _state_of(optimizer: Any, param: torch.Tensor) -> dict[str, Any]:
+    """The optimizer's state for `param`: a `PlanOptimizer` keeps it in the engine that
+    updates the parameter (on its master, where it has one)."""
+    for engine in getattr(optimizer, "engines", ()):
+        if any(p is param for p in engine.params):
+            return dict(engine.inner.state.get(engine.updated(param), {}))
+    return dict(optimizer.state.get(param, {}))
 
 
 def _grad_recorder(record: ModuleRecord, name: str) -> Callable[[torch.Tensor], None]:
