@@ -22,6 +22,7 @@ from precision_annot import (
     bf16,
     fp16,
     fp32,
+    optimizer,
     remove,
     resolve,
 )
@@ -584,3 +585,30 @@ def test_audit_under_gradient_checkpointing_agrees_with_the_gradients() -> None:
     wrong = {(d.module, d.phase) for d in missing.divergences if d.field == "compute"}
     assert {("model.encoder.layers.0.fc1", "forward"),
             ("model.encoder.layers.0.fc1", "backward")} <= wrong, wrong
+
+
+def test_hf_trainer_runs_the_update_half_through_optimizers(tmp_path: Path) -> None:
+    """Trainer(optimizers=(precision_annot.optimizer(model, ...), None)): bf16 weights, fp32
+    masters, 8-bit state; the Trainer's clipping (max_grad_norm) acts on the gradients the
+    step uses, and its checkpoint holds the masters."""
+    pytest.importorskip("torchao")
+    import transformers as tf
+
+    from tests.adapters.hf_models import build
+
+    model, batch = build("llama")
+    annotate(model, {"*": "bf16-true,master=fp32,optim=8bit"})
+    apply(model)
+    opt = optimizer(model, torch.optim.AdamW, lr=1e-2)
+    rows = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]} for i in (0, 1)]
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=4, logging_steps=1,
+                                per_device_train_batch_size=2, save_steps=4, report_to=[],
+                                use_cpu=True, max_grad_norm=1.0)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=rows, optimizers=(opt, None))
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[-1] < losses[0], losses
+    weight = model.model.layers[0].mlp.up_proj.weight
+    assert weight.dtype == torch.bfloat16 and opt.master(weight).dtype == torch.float32
+    saved = torch.load(tmp_path / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    assert saved["masters"] and set(saved) == {"param_groups", "engines", "masters", "buffers"}
