@@ -509,3 +509,16 @@ def test_audit_with_the_optimizer_reports_what_the_step_did() -> None:
         plain.step()
     fields = {(d.module, d.field) for d in r.divergences}
     assert ("1", "master") in fields and ("1", "update") in fields
+
+
+def test_the_report_command_prints_the_memory_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from precision_annot._src.cli import main
+
+    target = "precision_annot._src.demo_model:build_model"
+    assert main(["report", target, "--default", "bf16-true,master=fp32", "--memory",
+                 "adamw"]) == 0
+    out = capsys.readouterr().out
+    assert "memory while training with adamw:" in out and "bytes per parameter" in out
+    assert main(["report", target, "--memory", "lion"]) == 2
+    assert "--memory: memory: the state of optimizer='lion' is not known" in (
+        capsys.readouterr().err)

@@ -109,6 +109,12 @@ def _plan(args: argparse.Namespace) -> PrecisionPlan:
 def _cmd_report(args: argparse.Namespace) -> int:
     plan = _plan(args)
     args.emit(plan.to_json() if args.json else plan)
+    if args.memory is not None:
+        try:
+            figure = plan.memory(args.memory)
+        except ValueError as e:
+            raise CLIError(f"--memory: {e}") from e
+        args.emit(("\n" if not args.json else "") + str(figure))
     return 0
 
 
@@ -284,6 +290,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     report = _command(sub, "report", "print the precision plan of a model", _cmd_report)
     report.add_argument("--json", action="store_true", help="machine-readable output")
+    report.add_argument("--memory", metavar="OPTIMIZER", help="also the bytes of parameters, "
+                        "gradients, masters and optimizer state per module, for adamw, adam, "
+                        "sgd, rmsprop or adagrad")
     export = sub.add_parser("export", help="export a backend config for a model's plan")
     backends = export.add_subparsers(dest="backend", required=True)
     ds = _command(backends, "deepspeed", "a DeepSpeed config (JSON)", _cmd_export)
