@@ -42,7 +42,8 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
         final["fp32"])
     if "torchao is not installed" not in out:  # 9: fp8 GEMMs with bf16 islands, against bf16
         fp8, bf16 = float(final["fp8 GEMMs + bf16 islands"]), float(final["bf16-mixed"])
-        assert fp8 < 2.0 and abs(fp8 - bf16) < 0.05 * bf16
+        # 15 steps in --fast (fp8 is emulated, slowly, on a CPU): learned, as bf16 did
+        assert fp8 < 0.65 * math.log(64) and abs(fp8 - bf16) < 0.05 * bf16
         gap = re.search(r"fp8 ends (\S+)% from bf16", out)
         assert gap and abs(float(gap.group(1)) / 100 - abs(fp8 - bf16) / bf16) < 1e-3
         assert "audit: 8 Linear layers ran fp8 GEMMs, the head none (0 divergences" in out

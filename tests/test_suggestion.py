@@ -496,6 +496,7 @@ class FP8Outlier(nn.Module):
         return torch.cat([x[..., :1] * 1e6, x[..., 1:]], -1)
 
 
+@pytest.mark.slow  # 20 s: fp8 GEMMs are emulated on a CPU, about 1 s a step
 def test_fp8_low_keeps_the_linear_an_outlier_breaks_and_the_small_ones_in_bf16() -> None:
     pytest.importorskip("torchao")
     torch.manual_seed(0)

@@ -150,7 +150,7 @@ def run_demo(*, fast: bool = False, out: str | Path = "demo-output") -> int:
     print("   Call precision_annot.adapters.deepspeed.prepare(model) before deepspeed.initialize.")
     suggested = islands_demo(steps)
     check_demo(suggested)
-    fp8_demo(steps)
+    fp8_demo(steps // 2)  # a CPU emulates fp8 GEMMs slowly: about 1.2 s a step here
     update_demo(steps)
     print("\nNext: docs/index.md for the tour, docs/cookbook/ for recipes, "
           "`precision-annot report pkg.module:make_model` for your own model.")
@@ -249,7 +249,7 @@ def check_demo(plan: PrecisionPlan) -> None:
 
 
 def fp8_demo(steps: int) -> None:
-    """Section 9: fp8 GEMMs with bf16 islands against bf16, in training."""
+    """Section 9: fp8 GEMMs with bf16 islands against bf16, in training, `steps` steps."""
     from precision_annot._src import float8
     from precision_annot._src.auditing import audit
 
