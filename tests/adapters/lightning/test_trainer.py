@@ -158,7 +158,7 @@ def test_check_says_what_lightning_reduces_in_on_cpu(tmp_path: Path) -> None:
     assert "planned bf16, fp32 instead" in found[0].message
 
 
-@pytest.mark.slow  # 16 s; DeepSpeed on 2 ranks stays in make test (tests/adapters/test_deepspeed.py)
+@pytest.mark.slow  # 16 s; DeepSpeed on 2 ranks stays in make test (adapters/test_deepspeed.py)
 def test_deepspeed_strategy_with_lightnings_cuda_only_check_bypassed(tmp_path: Path) -> None:
     """Lightning's DeepSpeedStrategy refuses non-CUDA accelerators; the worker skips only that
     check (and gives CPU devices an index). DeepSpeed itself runs for real on its CPU
