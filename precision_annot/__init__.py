@@ -14,6 +14,7 @@ from precision_annot._src.annotation import annotate, precision
 from precision_annot._src.auditing import AuditReport, Divergence, audit
 from precision_annot._src.boundary import DriftError
 from precision_annot._src.checking import check
+from precision_annot._src.diffing import DiffReport, diff
 from precision_annot._src.dtypes import bf16, fp16, fp32, fp64
 from precision_annot._src.findings import Finding, Severity
 from precision_annot._src.memory import MemoryReport
@@ -26,6 +27,7 @@ from precision_annot._src.scope import precision_scope
 from precision_annot._src.suggestion import Suggestion, suggest
 from precision_annot._src.update import PlanOptimizer, optimizer
 from precision_annot._src.version import VERSION
+from precision_annot._src.watching import WatchRecord, watch
 
 __all__ = [
     "fp64",
@@ -55,6 +57,10 @@ __all__ = [
     "optimizer",
     "PlanOptimizer",
     "MemoryReport",
+    "diff",
+    "DiffReport",
+    "watch",
+    "WatchRecord",
 ]
 
 __version__ = VERSION

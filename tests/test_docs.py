@@ -53,7 +53,7 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 MODULES = [f"precision_annot._src.{name}" for name in (
     "policy", "annotation", "resolution", "runtime", "auditing", "scaler", "suggestion",
-    "checking")]
+    "checking", "watching", "diffing")]
 
 
 @pytest.mark.parametrize("name", MODULES)

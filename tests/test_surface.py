@@ -19,6 +19,8 @@ def test_public_names() -> None:
         "applied_plan",
         # the update half: one optimizer for the plan, and the plan's memory figures
         "optimizer", "PlanOptimizer", "MemoryReport",
+        # numerics: one step against fp32, and per-module statistics while training
+        "diff", "DiffReport", "watch", "WatchRecord",
     }
     for name in precision_annot.__all__:
         assert getattr(precision_annot, name) is not None

@@ -198,6 +198,50 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
     return 0 if found.met else 1
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from precision_annot._src.diffing import diff  # NOTE: deferred: the CLI loads what it runs
+    from precision_annot._src.runtime import apply
+
+    model = load_target(args.target)
+    if args.default is not None:
+        try:
+            apply(model, default=args.default)
+        except (TypeError, ValueError) as e:
+            raise CLIError(str(e)) from e
+    sample = load_object(args.sample)
+    loss_fn = None
+    if args.loss is not None:
+        loss_fn = load_object(args.loss, call=False)
+        if not callable(loss_fn):
+            raise CLIError(f"--loss {args.loss} must name a callable: (output, sample) -> loss.")
+    try:
+        found = diff(model, sample, loss_fn=loss_fn, tolerance=args.tolerance)
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    args.emit(json.dumps(found.to_dict(), indent=2) if args.json else found)
+    return 0 if found.first is None else 1
+
+
+def _cmd_watch_report(args: argparse.Namespace) -> int:
+    from precision_annot._src.watching import plot, report
+
+    path = Path(args.path)
+    if not path.is_file():
+        raise CLIError(f"watch-report: no file at {args.path!r}.")
+    try:
+        args.emit(report(path, top=args.top))
+    except (ValueError, KeyError) as e:
+        raise CLIError(f"watch-report: {args.path} is not a file watch(path=...) wrote: "
+                       f"{type(e).__name__}: {e}") from e
+    if args.plot is not None:
+        try:
+            plot(path, args.plot, top=args.top)
+        except ImportError as e:
+            raise CLIError(str(e)) from e
+        print(f"wrote the plot to {args.plot}", file=sys.stderr)
+    return 0
+
+
 def _check_config(args: argparse.Namespace) -> Any:
     """--config: a JSON object written inline ('{"units": ["blocks.*"]}'), or a file: DeepSpeed
     reads its file itself (JSON or hjson); the others take a JSON object."""
@@ -326,6 +370,22 @@ def _parser() -> argparse.ArgumentParser:
                           "merge_below, latency_s, bandwidth; fsdp1: use_orig_params; ddp: "
                           "bucket_cap_mb; local, ddp, fsdp: grad_scaler")
     chk.add_argument("--json", action="store_true", help="print the findings as JSON")
+    dif = _command(sub, "diff", "one step of the plan beside the same step in fp32, module by "
+                   "module; names the first module past the tolerance (exit status 1 if one "
+                   "is)", _cmd_diff, target=_MODEL, sample=True)
+    dif.add_argument("--loss", metavar="TARGET",
+                     help="a function (output, sample) -> loss (default: the outputs summed)")
+    dif.add_argument("--tolerance", type=float, metavar="X",
+                     help="relative error a module passes to be named (default: 2e-2 fp16, "
+                          "1e-1 bf16, 1e-3 wider)")
+    dif.add_argument("--json", action="store_true", help="print the report as JSON")
+    rep = sub.add_parser("watch-report", help="the modules closest to their dtype's limits in "
+                         "a file precision_annot.watch(path=...) wrote")
+    rep.add_argument("path", help="the JSON-lines file")
+    rep.add_argument("--top", type=int, default=10, help="how many modules (default: 10)")
+    rep.add_argument("--plot", metavar="FILE.png", help="draw their largest magnitudes over "
+                     "the steps against each dtype's range (needs matplotlib)")
+    rep.set_defaults(func=_cmd_watch_report)
     demo = _command(sub, "demo", "annotate, plan and train a small transformer", _cmd_demo,
                     target=None, default=False)
     demo.add_argument("--fast", action="store_true", help="fewer steps")

@@ -39,7 +39,7 @@ from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply, plan_of
 
 __all__ = ["FP8Linear", "HFKeepInFP32", "fp8_rules", "from_pretrained", "keep_in_fp32_patterns",
-           "router_names", "rules", "save_pretrained", "units"]
+           "router_names", "rules", "save_pretrained", "units", "watch_callback"]
 
 M = TypeVar("M", bound=nn.Module)
 PLAN_FILE = "precision_plan.json"
@@ -277,6 +277,62 @@ def fp8_rules(model: nn.Module, recipe: str = "fp8-rowwise", high: torch.dtype |
         out.append((head, f"compute={dtype_name(high_dtype)}"))
     out.extend((name, "compute=fp32") for name in routers)
     return out
+
+
+def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[str] | None = None,
+                   prefix: str = "precision") -> Any:
+    """Add `precision_annot.watch` to a Hugging Face `Trainer`: every `every`-th step, each
+    module's output's and gradient's largest magnitude and margin (the share of its dtype's
+    largest value) go into the step's logs, which the Trainer hands to every integration
+    `report_to` names (TensorBoard, W&B, ...). The callback is put first among the Trainer's,
+    so that those integrations see the numbers in the logs they write.
+
+    Args:
+        trainer: a `transformers.Trainer`, before `train()`.
+        every: measure one step in this many. (Default: 100)
+        path: also append each sampled step to this JSON-lines file. (Default: None)
+        prefix: the metrics' prefix. (Default: "precision")
+
+    Returns:
+        The callback; its `watch` attribute holds the `precision_annot.watch` of the run.
+
+    Example:
+        >>> cb = watch_callback(trainer, every=50)  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+    """
+    from transformers import TrainerCallback
+
+    from precision_annot._src.watching import watch as make_watch
+
+    class WatchCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.watch: Any = None
+            self.pending: dict[str, float] = {}
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            model: nn.Module = kwargs["model"]
+            self.watch = make_watch(model, every=every, path=None if path is None else Path(path))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            record = self.watch.step() if self.watch is not None else None
+            if record is not None:
+                self.pending = record.metrics(prefix)
+                control.should_log = True  # so this step's logs carry them
+            return control
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,
+                   **kwargs: Any) -> None:
+            if logs is not None and self.pending:
+                logs.update(self.pending)  # before the integrations: this callback is first
+                self.pending = {}
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.watch is not None:
+                self.watch.close()
+
+    callback = WatchCallback()
+    trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
 
 
 def units(model: nn.Module) -> list[type[nn.Module]]:

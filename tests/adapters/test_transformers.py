@@ -612,3 +612,40 @@ def test_hf_trainer_runs_the_update_half_through_optimizers(tmp_path: Path) -> N
     assert weight.dtype == torch.bfloat16 and opt.master(weight).dtype == torch.float32
     saved = torch.load(tmp_path / "checkpoint-4" / "optimizer.pt", weights_only=False)
     assert saved["masters"] and set(saved) == {"param_groups", "engines", "masters", "buffers"}
+
+
+def test_watch_callback_puts_the_numbers_in_the_trainers_tensorboard_logs(tmp_path: Path
+                                                                        ) -> None:
+    """`watch_callback(trainer)`: every 2nd step's per-module numbers go into the step's logs,
+    which the Trainer's TensorBoard integration writes; they are read back from its event
+    files, and they are the numbers `watch` measured."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, _ = annotated("llama")
+    apply(model, default="bf16")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, use_cpu=True,
+        report_to=["tensorboard"], logging_steps=100,
+        save_strategy="no", disable_tqdm=True, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    callback = hf.watch_callback(trainer, every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    w = callback.watch
+    assert [r.step for r in w.history] == [0, 2, 4]
+    record = w.history[0]
+    assert record.outputs["model.layers.0.mlp"].dtype == bf16
+    assert record.outputs["model.norm"].dtype == bf16  # the fp32 island hands back bf16
+    events = [EventAccumulator(str(p.parent)).Reload() for p in tmp_path.rglob(
+        "events.out.tfevents.*")]
+    tags = {t for e in events for t in e.Tags()["scalars"]}
+    tag = "train/precision/model.layers.0.mlp/out_amax"
+    assert tag in tags and "train/precision/closest_margin" in tags
+    logged = [(s.step, s.value) for e in events if tag in e.Tags()["scalars"]
+              for s in e.Scalars(tag)]
+    # the Trainer logs at its global step: a watched step k ends as the Trainer's step k + 1
+    assert [step for step, _ in logged] == [1, 3, 5]
+    for (_, value), rec in zip(logged, w.history, strict=True):
+        assert value == pytest.approx(rec.outputs["model.layers.0.mlp"].amax, rel=1e-6)

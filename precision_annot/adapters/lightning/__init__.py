@@ -10,6 +10,7 @@ device (Lightning issue 17727), run `training_step` under the root's autocast st
 - `AnnotatedDeepSpeedPrecision` (`deepspeed.py`): the Trainer plugin for `DeepSpeedStrategy`.
 - `FabricAnnotatedPrecision` (`fabric.py`): the Fabric plugin.
 - `AnnotatedFSDPPrecision` (`fsdp.py`): the Trainer plugin for `FSDPStrategy` (FSDP1).
+- `WatchCallback` (`watching.py`): `precision_annot.watch`, logged through the Trainer's loggers.
 """
 
 try:
@@ -24,6 +25,7 @@ from precision_annot.adapters.lightning.deepspeed import AnnotatedDeepSpeedPreci
 from precision_annot.adapters.lightning.fabric import FabricAnnotatedPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
 from precision_annot.adapters.lightning.trainer import AnnotatedPrecision
+from precision_annot.adapters.lightning.watching import WatchCallback
 
 __all__ = ["AnnotatedDeepSpeedPrecision", "AnnotatedFSDPPrecision", "AnnotatedPrecision",
-           "FabricAnnotatedPrecision"]
+           "FabricAnnotatedPrecision", "WatchCallback"]

@@ -1,0 +1,61 @@
+"""`WatchCallback`: `watch` in a real Trainer, its numbers read back from the CSV logger."""
+
+from __future__ import annotations
+
+import csv
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from precision_annot import applied_plan, fp16, fp32
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+
+from precision_annot.adapters.lightning import AnnotatedPrecision, WatchCallback  # noqa: E402
+from tests.adapters.lightning.models import QUIET, Net, data  # noqa: E402
+
+
+def test_watch_callback_logs_each_modules_margin_and_the_scalers_skips(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net(inf_at=3)  # the loss at step 3 is inf: the GradScaler skips that step
+    callback = WatchCallback(every=2, path=tmp_path / "watch.jsonl")
+    quiet = {k: v for k, v in QUIET.items() if k != "logger"}
+    trainer = L.Trainer(max_steps=8, plugins=[AnnotatedPrecision(default="16-mixed")],
+                        callbacks=[callback], logger=CSVLogger(tmp_path, name="run"),
+                        log_every_n_steps=1, enable_checkpointing=False, **quiet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data())
+    said = [str(c.message) for c in caught if "watch:" in str(c.message)]
+    w = callback.watch
+    assert w is not None and [r.step for r in w.history] == [0, 2, 4, 6]
+    # what each module's forward handed on: the fp32 island computes in fp32 and hands back
+    # to its fp16 caller, as the plan says when it names no output dtype
+    first, plan = w.history[0], applied_plan(model)
+    assert plan is not None and plan["norm"].policy.compute == fp32
+    assert plan["norm"].policy.output is None
+    assert [first.outputs[n].dtype for n in ("fc1", "norm", "fc2")] == [fp16, fp16, fp16]
+    assert first.grads["fc1"].dtype == fp16
+    assert len(model.fc1._forward_hooks) == 0  # closed at the end
+    assert not said  # the scaler's gradients are its own to keep in range: nothing to say
+    rows = list(csv.DictReader((Path(trainer.logger.log_dir) / "metrics.csv").open()))
+    logged = [r for r in rows if r.get("precision/fc1/out_amax")]
+    assert [int(r["step"]) for r in logged] == [0, 2, 4, 6]
+    for row, record in zip(logged, w.history, strict=True):
+        assert float(row["precision/fc1/out_amax"]) == pytest.approx(
+            record.outputs["fc1"].amax, rel=1e-6)
+        assert float(row["precision/norm/out_margin"]) == pytest.approx(
+            record.outputs["norm"].margin, rel=1e-6, abs=1e-12)
+    # the steps the GradScaler skipped (those that left the weights as they were: the first
+    # ones, while its scale comes down from 2**16, and step 3) as the records count them
+    snaps = model.snapshots
+    skipped = [k for k in range(7) if all(torch.equal(a, b) for a, b in
+                                           zip(snaps[k], snaps[k + 1], strict=True))]
+    assert 3 in skipped
+    assert [float(r["precision/skipped"]) for r in logged] == [
+        float(sum(k <= step for k in skipped)) for step in (0, 2, 4, 6)]
+    assert float(logged[2]["precision/scale"]) < float(logged[0]["precision/scale"])
+    assert len((tmp_path / "watch.jsonl").read_text().splitlines()) == 4

@@ -1,0 +1,290 @@
+"""`watch` (per-module numerics while training) and `diff` (one step against fp32)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import precision_annot as pa
+from precision_annot._src.cli import main
+from precision_annot._src.watching import _measure, _stats
+
+
+class Amplifier(nn.Linear):
+    """A Linear whose weight a diverging run makes 4 times larger every step."""
+
+
+def planted() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), Amplifier(16, 16), nn.Linear(16, 1))
+    return pa.apply(model, default="16-true")
+
+
+def train(model: nn.Module, steps: int, w: pa.watch | None, *, scaler: Any = None
+          ) -> list[str]:
+    """SGD steps (lr 0: the weights move only by the planted growth); the warnings said."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=gen).half()
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean() * 1e-6
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            if w is not None:
+                w.step()
+            with torch.no_grad():
+                model[2].weight.mul_(4.0)
+    return [str(s.message) for s in said if "watch:" in str(s.message)]
+
+
+def test_watch_names_the_module_that_grows_past_fp16_and_the_step() -> None:
+    """Amplifier's output doubles twice a step; tanh bounds its input. At step 8 it passes half
+    of fp16's 65504: watch names it, at that step, and nothing else (the Linear after it
+    inherits its values); at step 9 it overflows, first in the forward's order."""
+    model = planted()
+    with pa.watch(model, every=1) as w:
+        said = train(model, 10, w)
+    assert said and all("module '2'" in s for s in said), said
+    first = said[0]
+    margins = [r.outputs["2"].margin for r in w.history]
+    step = next(i for i, m in enumerate(margins) if m >= 0.5 or w.history[i].outputs["2"]
+                .nonfinite)
+    assert f"step {step}:" in first and "the output of module '2'" in first
+    assert "keep it in fp32: annotate(model, {'2': 'fp32,output=fp32'})" in first
+    assert margins[step - 1] < 0.5 <= margins[step] or w.history[step].outputs["2"].nonfinite
+    assert all(r.outputs["0"].margin < 0.01 for r in w.history)  # the rest stays far off
+    later = [r for r in w.history if r.first_nonfinite is not None]
+    assert later and later[0].first_nonfinite == "2"
+
+
+def test_unsampled_steps_install_nothing_and_sampled_ones_every_n() -> None:
+    model = planted()
+    linear = model[0]
+    with pa.watch(model, every=3, warn=False) as w:
+        hooks = []
+        for _ in range(7):
+            hooks.append(len(linear._forward_hooks))
+            model(torch.randn(2, 16).half()).float().sum().backward()
+            w.step()
+    assert hooks == [1, 0, 0, 1, 0, 0, 1]  # step 0, 3, 6: measured; the others run bare
+    assert [r.step for r in w.history] == [0, 3, 6]
+    assert len(linear._forward_hooks) == 0  # closed
+
+
+def test_watch_records_the_grad_scaler_and_writes_a_report(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    model = planted()
+    scaler = pa.GradScaler(init_scale=2.0**16)
+    path = tmp_path / "run.jsonl"
+    with pa.watch(model, every=1, scaler=scaler, path=path, warn=False) as w:
+        train(model, 10, w, scaler=scaler)
+    last = w.history[-1]
+    assert last.scale is not None and last.scale < 2.0**16  # it backed off
+    assert last.skipped is not None and last.skipped >= 1
+    lines = path.read_text().splitlines()
+    assert len(lines) == 10 and json.loads(lines[0])["outputs"]["2"]["dtype"] == "fp16"
+    assert main(["watch-report", str(path), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    # the Amplifier's output, and the gradients that flow back through its weight, reach fp16's
+    # limit; the modules before it do not
+    top = {tuple(line.split()[:2]) for line in out.splitlines()[3:6]}
+    assert "10 sampled steps" in out and top == {("2", "output"), ("1", "grad"), ("0", "grad")}
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "amax.png"
+    assert main(["watch-report", str(path), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_watch_rejects_a_bad_every() -> None:
+    with pytest.raises(ValueError, match=r"every is a number of steps, 1 or more. Received: "
+                                         r"every=0"):
+        pa.watch(planted(), every=0)
+
+
+# -- diff ----------------------------------------------------------------------------------------
+
+class Offset(nn.Module):
+    """Adds and removes a large offset: in bf16 the small values are lost on the way."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + 300.0) - 300.0
+
+
+def chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), Offset(),
+                         nn.Linear(16, 4))
+
+
+def test_diff_names_the_first_module_that_departs_from_fp32() -> None:
+    model = chain()
+    pa.annotate(model, {"*": "fp32", "3": "bf16"})
+    x = torch.randn(8, 16)
+    report = pa.diff(model, x)
+    assert report.first == "3"
+    assert report["2"].output_error == 0.0 and report["3"].output_error > 0.5
+    assert report["4"].output_error > report.tolerance  # downstream inherits it
+    assert [m.name for m in report][:4] == ["0", "1", "2", "3"]  # execution order
+    assert "<- first" in str(report)
+    assert pa.diff(chain(), x).first is None  # no plan: it is fp32
+    assert model[0].weight.dtype == torch.float32 and pa.applied_plan(model) is None  # untouched
+
+
+def test_diff_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = tmp_path / "lossy.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\nimport precision_annot as pa\n\n"
+        "class Offset(nn.Module):\n    def forward(self, x):\n"
+        "        return (x + 300.0) - 300.0\n\n"
+        "def make():\n    torch.manual_seed(0)\n"
+        "    m = nn.Sequential(nn.Linear(16, 16), Offset(), nn.Linear(16, 4))\n"
+        "    return pa.annotate(m, {'*': 'fp32', '1': 'bf16'})\n\n"
+        "def batch():\n    return torch.randn(8, 16)\n")
+    assert main(["diff", f"{script}:make", "--sample", f"{script}:batch", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["first"] == "1"
+    assert main(["diff", f"{script}:make", "--sample", f"{script}:batch",
+                 "--tolerance", "2"]) == 0
+    assert "No module passes it" in capsys.readouterr().out
+
+
+def test_a_gradient_the_loss_already_overflowed_is_blamed_on_the_loss_not_a_module() -> None:
+    model = planted()
+    x = torch.randn(8, 16).half()
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=1) as w:
+        warnings.simplefilter("always")
+        (model(x).float().sum() * torch.inf).backward()
+        w.step()
+    messages = [str(s.message) for s in said if "watch:" in str(s.message)]
+    assert w.history[0].first_nonfinite is None and w.history[0].first_nonfinite_grad
+    assert len(messages) == 1 and "the gradient the loss hands module" in messages[0]
+    assert "no module made it" in messages[0]
+    # under a watched GradScaler the same step is its to skip: nothing said
+    scaler = pa.GradScaler()
+    with warnings.catch_warnings(record=True) as said, \
+            pa.watch(model, every=1, scaler=scaler) as w:
+        warnings.simplefilter("always")
+        (model(x).float().sum() * torch.inf).backward()
+        w.step()
+    assert not [s for s in said if "watch:" in str(s.message)]
+    assert w.history[0].first_nonfinite_grad is not None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+       st.lists(st.sampled_from(["zero", "sub", "tiny", "normal", "near", "inf", "nan"]),
+                min_size=1, max_size=40), st.integers(0, 2**16))
+def test_measured_counts_are_the_counts_written_by_hand(dtype: torch.dtype, kinds: list[str],
+                                                        seed: int) -> None:
+    f = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    pick = {"zero": 0.0, "sub": f.tiny * 0.3, "tiny": f.tiny, "normal": 1.5,
+            "near": f.max * 0.75, "inf": float("inf"), "nan": float("nan")}
+    signs = torch.randint(0, 2, (len(kinds),), generator=gen) * 2 - 1
+    x = (torch.tensor([pick[k] for k in kinds], dtype=torch.float64) * signs).to(dtype)
+    if len(kinds) == 1:
+        x = x[0]  # a 0-dim tensor, as a loss a module returns
+    s = _stats(dtype, _measure(x, x))
+    a = x.double().abs()
+    finite = torch.isfinite(a)
+    assert s.nonfinite == int((~finite).sum()) and s.in_nonfinite == int(s.nonfinite > 0)
+    assert s.over * len(kinds) == pytest.approx(int((a > f.max / 2).sum()))
+    assert s.under * len(kinds) == pytest.approx(int(((a > 0) & (a < f.tiny)).sum()))
+    assert s.amax == (float(a[finite].max()) if finite.any() else 0.0)
+
+
+def test_a_container_that_hands_on_its_childs_tensor_shares_its_record() -> None:
+    model = planted()
+    with pa.watch(model, every=1, warn=False) as w:
+        model(torch.randn(4, 16).half()).float().sum().backward()
+        record = w.step()
+    assert record is not None
+    assert record.outputs[""] == record.outputs["3"] and record.grads[""] == record.grads["3"]
+    assert list(record.grads)[:2] == ["3", ""]  # the child made it: first in the backward
+    assert list(record.outputs) == ["0", "1", "2", "3", ""]  # the forward's order
+
+
+def test_diff_says_when_fp32_itself_is_not_finite_rather_than_reporting_no_error() -> None:
+    model = chain()
+    pa.annotate(model, {"*": "bf16"})
+    with torch.no_grad():
+        model[2].weight[0, 0] = torch.nan  # as a step taken on a non-finite loss leaves it
+    with pytest.warns(UserWarning, match=r"diff: the fp32 run itself holds values that are "
+                                         r"not finite from module '2' on"):
+        report = pa.diff(model, torch.randn(8, 16))
+    assert report["1"].output_error < report.tolerance
+    assert all(math.isnan(report[n].output_error) for n in ("2", "3", "4"))
+    assert report.first is None and "nan" in str(report)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8-rowwise"])
+def test_fp8_linears_report_torchaos_scale_amax_and_underflow(recipe: str) -> None:
+    """An fp8 Linear's input and weight: amax, the scale torchao casts them with and the share
+    of nonzero values that fall below e4m3's smallest normal once scaled, all checked against
+    the same numbers written by hand (448 / amax, per tensor or per row, as a power of 2 in
+    the rowwise recipe)."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    pa.annotate(model, {"0": f"compute={recipe}"})
+    pa.apply(model, default="bf16-true")
+    x = torch.randn(8, 32).bfloat16()
+    x[0, :4] = torch.tensor([1e4, 1e-3, 0.0, -2e-4])  # one large row: small ones underflow
+    with pa.watch(model, every=1, warn=False) as w:
+        model(x).float().sum().backward()
+        record = w.step()
+    assert record is not None and set(record.fp8) == {"0"}  # the bf16 Linear has none
+    by_operand = {s.operand: s for s in record.fp8["0"]}
+    e4m3 = torch.finfo(torch.float8_e4m3fn)
+    for operand, t in (("input", x), ("weight", model[0].weight.detach())):
+        s = by_operand[operand]
+        a = t.float().abs()
+        rows = a.amax(-1, keepdim=True) if recipe == "fp8-rowwise" else a.amax()
+        scale = e4m3.max / rows
+        if recipe == "fp8-rowwise":  # torchao's rowwise recipe rounds scales down to 2**k
+            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        lost = ((a * scale < e4m3.tiny) & (a > 0)).sum() / (a > 0).sum()
+        assert s.dtype == torch.float8_e4m3fn and s.amax == float(a.max())
+        assert s.scale == pytest.approx(float(scale.min()), rel=1e-6)
+        assert s.underflow == pytest.approx(float(lost), abs=1e-9)
+    if recipe == "fp8":  # the large value pushes the batch's small ones below e4m3
+        assert by_operand["input"].underflow > 0.005
+    metrics = record.metrics()
+    assert metrics["precision/0/fp8_input_scale"] == by_operand["input"].scale
+
+
+def test_watch_report_lists_fp8_operands_by_their_worst_underflow(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = pa.apply(pa.annotate(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)),
+                                 {nn.Linear: "compute=fp8"}), default="bf16-true")
+    path = tmp_path / "fp8.jsonl"
+    with pa.watch(model, every=1, warn=False, path=path) as w:
+        for spread in (1.0, 1e4, 1.0):  # the second batch holds one large value
+            x = torch.randn(8, 32).bfloat16()
+            x[0, 0] = spread
+            model(x).float().sum().backward()
+            w.step()
+    worst = max(w.history, key=lambda r: r.fp8["0"][0].underflow)
+    assert worst.step == 1
+    assert main(["watch-report", str(path)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("0 ") and "input" in line)
+    assert row.split()[2] == f"{worst.fp8['0'][0].underflow:.2%}" and row.split()[3] == "1"

@@ -1,0 +1,91 @@
+"""One rank of a 2-rank gloo run of `watch`: `python -m torch.distributed.run --nproc_per_node 2
+-m tests.workers.watching MODE OUTDIR` with MODE "ddp" or "fsdp2".
+
+A bf16 model (its norm an fp32 island) trains 2 steps, watched on every step. The ranks see
+different batches: rank 1's are 50 times larger; on step 0 only rank 1 runs the `extra`
+module (as an expert only some ranks route tokens to); on step 1 rank 1's batch holds an inf.
+Each rank writes OUTDIR/MODE-rank{N}.json: its own records, the records reduced across ranks,
+and what `watch` said.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import precision_annot as pa
+from precision_annot.adapters import ddp as ddp_adapter
+from precision_annot.adapters import fsdp as fsdp_adapter
+from tests.workers import leave
+
+
+class Extra(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.norm = nn.LayerNorm(64)
+        self.extra = Extra()
+        self.fc2 = nn.Linear(64, 8)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.fc1(x)))
+        if self.use_extra:
+            h = self.extra(h)
+        out: torch.Tensor = self.fc2(h)
+        return out
+
+
+def model() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    pa.annotate(net, {"*": "bf16-true", nn.LayerNorm: "fp32"})
+    return net
+
+
+def main() -> None:
+    mode, outdir = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    net = model()
+    plan = pa.resolve(net)
+    if mode == "fsdp2":
+        runner: nn.Module = fsdp_adapter.fully_shard(net, plan)
+    else:
+        pa.apply(net, plan)
+        runner = nn.parallel.DistributedDataParallel(net)
+        runner.register_comm_hook(None, ddp_adapter.comm_hook(pa.applied_plan(net)))
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(10 + rank)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pa.watch(runner, every=1) as w:
+            for step in range(2):
+                x = torch.randn(16, 32, generator=gen) * (50.0 if rank == 1 else 1.0)
+                if step == 1 and rank == 1:
+                    x[0, 0] = torch.inf
+                net.use_extra = step == 0 and rank == 1
+                opt.zero_grad()
+                runner(x.bfloat16()).float().pow(2).mean().backward()
+                opt.step()
+                w.step()
+    out = {"mine": [r.to_dict() for r in w.records(rank)],
+           "all": [r.to_dict() for r in w.records("all")],
+           "said": [str(s.message) for s in said if "watch:" in str(s.message)]}
+    (outdir / f"{mode}-rank{rank}.json").write_text(json.dumps(out))
+    leave()
+
+
+if __name__ == "__main__":
+    main()
