@@ -156,7 +156,7 @@ def make_root():
     return nn.Sequential(Root())[0]  # the overflow in the root's own code
 
 def make_batch():
-    return torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 3
+    return torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 3
 
 class Broken(nn.Linear):
     def forward(self, x):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
+from precision_annot._src.cli import main
 from precision_annot._src.suggestion import Suggestion, suggest
 from tests.helpers import planted_t5
 
@@ -460,6 +462,47 @@ def test_a_sample_too_small_to_show_peaks_is_said() -> None:
         suggest(model, torch.randn(4, 8), low="bf16")
 
 
+def test_a_plan_met_only_on_too_little_data_is_unverified_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """1x4 tokens: nothing can be held out, and the plan holds on the data it was chosen on
+    only. `met` stays what was measured; `verified` says it was not shown beyond that, and so
+    do the message, the repr and the command line's exit status (4)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    with pytest.warns(UserWarning, match="too few"):
+        thin = suggest(model, torch.randn(1, 8), low="bf16")
+    assert thin.met and not thin.verified and "verified=False" in repr(thin)
+    assert "Unverified: the calibration batch holds 1 rows" in thin.message
+    assert json.loads(thin.to_json())["verified"] is False
+    unheld = suggest(model, torch.randn(64, 8), low="bf16", held_out=[])  # asked for
+    assert unheld.met and not unheld.verified and "no held-out batch checked it" in (
+        unheld.message)
+    full = suggest(model, torch.randn(64, 8), low="bf16")
+    assert full.met and full.verified and "Unverified" not in full.message
+    script = tmp_path / "thin.py"
+    script.write_text("import torch\nfrom torch import nn\n\ndef make():\n"
+                      "    torch.manual_seed(0)\n"
+                      "    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))\n\n"
+                      "def one():\n    return torch.randn(1, 8)\n\n"
+                      "def many():\n    return torch.randn(64, 8)\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["suggest", f"{script}:make", "--sample", f"{script}:one"]) == 4
+        assert main(["suggest", f"{script}:make", "--sample", f"{script}:many"]) == 0
+    capsys.readouterr()
+
+
+def test_the_held_out_line_shows_the_held_out_batches_not_the_calibration_one() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+    found = suggest(model, torch.randn(64, 8), low="bf16")
+    assert len(found.held_out) == 2
+    worst = max(found.held_out, key=lambda c: max(c.errors().values()))
+    line = next(x for x in str(found).splitlines() if x.startswith("held-out batches"))
+    assert f"output {worst.errors()['output']:.2e}" in line
+    calibration = f"output {found.final.errors()['output']:.2e}"
+    assert calibration not in line or calibration == f"output {worst.errors()['output']:.2e}"
+
+
 def test_a_loss_of_output_and_sample_checks_held_out_batches() -> None:
     class Regressor(nn.Module):
         def __init__(self) -> None:
@@ -528,6 +571,20 @@ def test_fp8_low_where_no_linear_gains_says_so() -> None:
     assert all(type(m) is nn.Linear for m in small.modules() if isinstance(m, nn.Linear))
     with pytest.warns(UserWarning, match="the model has none, so nothing would run in fp8"):
         suggest(nn.Sequential(nn.LayerNorm(16), nn.GELU()), torch.randn(64, 16), low="fp8")
+
+
+def test_fp8_low_whose_every_linear_stays_bf16_is_met_not_a_whole_model_fallback() -> None:
+    """Two Linear layers, both too small for fp8, and nothing else holds parameters: they are
+    kept in bf16 for speed, the plan passes, and that is not "every parameter in fp32"."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        found = suggest(model, torch.randn(64, 16), low="fp8")
+    assert found.met and found.islands == [] and found.kept_for_speed == ["0", "2"]
+    assert found.final.passed and not any("No plan short" in str(w.message) for w in said)
+    assert found.message.startswith("The plan meets the tolerance with 0 islands")
 
 
 def test_held_out_batches_given_and_none() -> None:

@@ -195,7 +195,7 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise CLIError(str(e)) from e
         print(f"wrote the plot to {args.plot}", file=sys.stderr)
-    return 0 if found.met else 1
+    return (UNVERIFIED if not found.verified else 0) if found.met else 1
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
@@ -348,7 +348,9 @@ def _parser() -> argparse.ArgumentParser:
     aud.add_argument("--plan", metavar="PLAN.json", help="apply this plan instead of resolving")
     aud.add_argument("--forward-only", action="store_true", help="skip the backward")
     sug = _command(sub, "suggest", "find the fp32 islands a model needs in fp16 or bf16, "
-                   "verified end to end (exit status 1 if none meets the tolerance)",
+                   "verified end to end (exit status 1 if none meets the tolerance, "
+                   f"{UNVERIFIED} if the plan met it but no held-out batch or too small a "
+                   "sample could verify it)",
                    _cmd_suggest, target=_MODEL, sample=True, default=False)
     sug.add_argument("--low", default="bf16", metavar="SPEC",
                      help="everything else runs in this: bf16, fp16, bf16-mixed, 16-mixed "
@@ -393,6 +395,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: suggest's exit status when its plan met the tolerance only on the data it was chosen on
+UNVERIFIED = 4
 #: the exit status when the code a command runs (the model, a loader) raises: distinct from 1
 #: (an error found, a divergence, no plan met) and 2 (bad input)
 CRASHED = 3

@@ -185,6 +185,10 @@ class Suggestion:
         final: the plan's check on the calibration batch.
         held_out: the plan's checks on the held-out batches; `worst` is the worst of them all.
         met: the plan meets the tolerance on every batch.
+        verified: the plan was also checked on at least one held-out batch, and the
+            calibration batch holds enough rows (16 tokens or samples) to show a model's
+            peaks. `met` without `verified` is a plan shown to hold only on the data it was
+            chosen on.
         low: the policy of everything outside the islands.
         tolerance: the tolerance asked for; the calibration batch is held to `margin` times it.
         kept_for_speed: Linear layers kept out of fp8 because their GEMMs are too small to
@@ -200,7 +204,7 @@ class Suggestion:
                  checks: list[Check], final: Check, held_out: list[Check], met: bool,
                  low: Policy, tolerance: float, margin: float, seconds: float, message: str,
                  reasons: dict[str, str], kept_for_speed: list[str], island: Policy,
-                 runs: dict[str, int] | None = None) -> None:
+                 runs: dict[str, int] | None = None, verified: bool = True) -> None:
         self.islands = [i for i in islands if i not in kept_for_speed]
         self.outputs = [i for i, out in islands.items() if out]
         text = "bf16" if island.compute == bf16 and island.storage != bf16 else "fp32"
@@ -221,6 +225,7 @@ class Suggestion:
         self.reasons = reasons
         self.kept_for_speed = kept_for_speed
         self.runs = runs or {}
+        self.verified = verified
 
     @property
     def worst(self) -> Check:
@@ -230,14 +235,17 @@ class Suggestion:
 
     def __repr__(self) -> str:
         return (f"Suggestion({len(self.islands)} fp32 islands: {self.islands}, "
-                f"met={self.met})")
+                f"met={self.met}" + ("" if self.verified else ", verified=False") + ")")
 
     def __str__(self) -> str:
         total = sum(e.params for e in self.plan.values())
         held = sum(e.params for n, e in self.plan.items()
                    if any(n == i or n.startswith(i + ".") for i in self.islands))
         errors = ", ".join(f"{k} error {v:.2e}" for k, v in self.final.errors().items())
-        worst = ", ".join(f"{k} {v:.2e}" for k, v in self.worst.errors().items())
+        held_worst = max(self.held_out, key=lambda c: max(c.errors().values()) / c.limit,
+                         default=None)
+        worst = "" if held_worst is None else ", ".join(
+            f"{k} {v:.2e}" for k, v in held_worst.errors().items())
         kind = "high-precision" if self.low.gemm else "fp32"
         what = self.low.show("compute")
         lines = [
@@ -291,6 +299,7 @@ class Suggestion:
             "tolerance": self.tolerance,
             "margin": self.margin,
             "met": self.met,
+            "verified": self.verified,
             "message": self.message,
             "islands": self.islands,
             "output_fp32": self.outputs,
@@ -1233,11 +1242,12 @@ def _outcome(search: _Search, islands: Islands, message: str, final: Check, held
     margin = search.margin
     met = not message and final.passed and all(c.passed for c in held)
     total = search.sizes.get("", 0)
-    if met and total and search.fp32_params(islands) >= total and islands:
+    kept = [i for i in islands if i not in speed]  # speed islands stay bf16: not a fallback
+    if met and total and kept and search.fp32_params(dict.fromkeys(kept, False)) >= total:
         met = False
         message = ("No plan short of the whole model in fp32 meets the tolerance: the plan "
                    "that passes keeps every parameter in fp32 ("
-                   + ", ".join(repr(i) for i in islands) + "), since each island's output "
+                   + ", ".join(repr(i) for i in kept) + "), since each island's output "
                    "overflows the low dtype in its caller.")
     if not met and not message:
         failing = next(c for c in [final, *held] if not c.passed)
@@ -1423,6 +1433,13 @@ def suggest(
             measure_on(calib)()
         final = search.check(islands, calib, limit=float(tolerance) * float(margin))
     met, message, islands = _outcome(search, islands, message, final, held, speed, why)
+    verified = bool(held) and rows >= MIN_ROWS
+    if met and not verified:
+        message += (" Unverified: " + (f"the calibration batch holds {rows} rows (tokens, "
+                                       f"samples), fewer than {MIN_ROWS}" if rows < MIN_ROWS
+                                       else "no held-out batch checked it")
+                    + ", so the plan has not been shown to hold on data it was not chosen "
+                      "on.")
     plan = search.plan(islands, dict(model.named_modules()), resolve(model))
     if not met:
         warnings.warn(f"suggest: {message}", UserWarning, stacklevel=2)
@@ -1430,4 +1447,5 @@ def suggest(
                       checks=list(search.path), final=final, held_out=held, met=met, low=policy,
                       tolerance=float(tolerance), margin=float(margin),
                       seconds=time.perf_counter() - start, message=message, reasons=why,
-                      kept_for_speed=speed, island=island, runs=dict(search.runs))
+                      kept_for_speed=speed, island=island, runs=dict(search.runs),
+                      verified=verified)
