@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -99,11 +100,13 @@ def test_an_overflowing_intermediate_is_kept_fp32_and_harmless_layers_stay_low()
     assert found.rules == [("middle", "fp32")]
     # wi overflows first; as an island its output overflows on the way out, so it hands back
     # fp32, which wo (pure fp16, no autocast) cannot take: the island moves up to its parent,
-    # whose output fits fp16. No plan is run twice (pruning finds () already checked).
+    # whose output fits fp16. No plan is run twice (pruning finds () already checked). Then
+    # each child of the island is tried in its place, handing back fp32: wo (wi was checked)
     calibration = [(c.islands, c.outputs, c.passed) for c in found.checks
                    if c.sample == "calibration"]
     assert calibration == [((), (), False), (("middle.wi",), (), False),
-                           (("middle.wi",), ("middle.wi",), False), (("middle",), (), True)]
+                           (("middle.wi",), ("middle.wi",), False), (("middle",), (), True),
+                           (("middle.wo",), ("middle.wo",), False)]
     assert found.checks[0].first_nonfinite == "middle.wi"
     assert "mat1 and mat2 must have the same dtype" in str(found.checks[2].crashed)
     assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
@@ -599,3 +602,55 @@ def test_held_out_batches_given_and_none() -> None:
     assert alone.met and alone.islands == [] and alone.held_out == []
     with pytest.raises(TypeError, match=r"held_out=\.\.\.\) is a list of samples"):
         suggest(model, small, held_out=(small, {}))  # type: ignore[arg-type]
+
+
+class Expert(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(torch.relu(self.up(x)))
+        return out
+
+
+class TopOneMoE(nn.Module):
+    """Top-1 routing over 4 experts; the router's logits sit near 30 and differ by less than
+    bf16 resolves there, so in bf16 tokens go to other experts."""
+
+    def __init__(self, d: int = 64, f: int = 256, n: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, n)
+        self.experts = nn.ModuleList(Expert(d, f) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            mask = choice == i
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return out
+
+
+def test_an_moe_whose_router_needs_fp32_keeps_the_router_not_the_layer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), TopOneMoE(), nn.Linear(64, 8))
+    with torch.no_grad():
+        model[1].router.weight.mul_(0.02)
+        model[1].router.bias.fill_(30.0)
+    x = torch.randn(256, 32)
+    # the whole layer in fp32 passes, and so does the router alone, handing its logits back in
+    # fp32 to the layer's own argmax; in bf16 they pick other experts
+    found = suggest(model, x, low="bf16")
+    assert found.met and found.islands == ["1.router"] and found.outputs == ["1.router"]
+    assert found.final.output_error < 0.05
+    layer = next(c for c in found.checks if c.islands == ("1",))
+    assert layer.passed and found.checks[0].output_error > 0.5  # bf16 throughout: wrong experts
+    routed = copy.deepcopy(model)
+    apply(routed, found.plan)
+    with torch.no_grad():
+        want = model(x).argmax(-1)
+    assert routed[1].router.weight.dtype == fp32 and routed[0].weight.dtype == bf16
+    with torch.no_grad():
+        assert (routed(x.bfloat16()).float().argmax(-1) == want).float().mean() > 0.95

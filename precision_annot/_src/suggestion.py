@@ -1009,11 +1009,45 @@ def _prune(search: _Search, sample: _Sample, islands: Islands, limit: float,
         trial = {k: v for k, v in islands.items() if k != island}
         if search.check(trial, sample, limit=limit).passed:
             islands = trial
+    islands = _step_down(search, sample, islands, limit, fixed)
     for island in [k for k, v in islands.items() if v]:
         trial = {**islands, island: False}
         if search.check(trial, sample, limit=limit).passed:
             islands = trial
     progress.done()
+    return islands
+
+
+def _children(structure: PrecisionPlan, name: str) -> list[str]:
+    """The modules right under `name` that run their own forward (a container's children
+    stand in for it)."""
+    out: list[str] = []
+    for child in structure:
+        if child and parent_name(child) == name:
+            out += _children(structure, child) if structure[child].container else [child]
+    return out
+
+
+def _step_down(search: _Search, sample: _Sample, islands: Islands, limit: float,
+               fixed: frozenset[str]) -> Islands:
+    """Replace each island by the smallest of its children that passes in its place, handing
+    back fp32 (so that the island's own code still sees the child's result at full
+    precision), and go on down from it: an MoE layer kept whole because its router's logits
+    need fp32 becomes the router. One check per child tried, the smallest first; an island
+    none of whose children passes alone stays."""
+    for island in [i for i in islands if i not in fixed]:
+        current = island
+        while True:
+            kids = sorted(_children(search.structure, current),
+                          key=lambda n: search.sizes.get(n, 0))
+            rest = {k: v for k, v in islands.items() if k != current}
+            found = next((kid for kid in kids if search.sizes.get(kid, 0) < search.sizes.get(
+                current, 0) and search.check({**rest, kid: True}, sample, limit=limit).passed),
+                None)
+            if found is None:
+                break
+            islands = {**rest, found: True}
+            current = found
     return islands
 
 
