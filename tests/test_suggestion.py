@@ -654,3 +654,35 @@ def test_an_moe_whose_router_needs_fp32_keeps_the_router_not_the_layer() -> None
     assert routed[1].router.weight.dtype == fp32 and routed[0].weight.dtype == bf16
     with torch.no_grad():
         assert (routed(x.bfloat16()).float().argmax(-1) == want).float().mean() > 0.95
+
+
+def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
+    """A T5 (seed and batch other than the benchmark's) whose two encoder `wo` overflow fp16.
+    Handing both back in fp32 leaves a gradient error of 1.26e-2: within the tolerance (2e-2),
+    above the calibration margin (1e-2). The next candidate, the whole encoder, measured worst
+    alone only because the overflowing `wo` sit inside it, and it brings the error down by
+    14%, not by the fifth that would be worth its parameters: the plan settles at the two
+    `wo` (13% of the parameters, not 42%) and holds on the held-out batches."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    config = transformers.T5Config(vocab_size=256, d_model=64, d_ff=256, d_kv=16, num_layers=2,
+                                   num_heads=4, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    wos = [n for n, _ in model.named_modules() if n.endswith("DenseReluDense.wo")][:2]
+    with torch.no_grad():
+        for name in wos:
+            model.get_submodule(name).weight.mul_(2.0 ** 17)
+    ids = torch.randint(0, 256, (48, 32), generator=torch.Generator().manual_seed(11))
+    batch = {"input_ids": ids, "labels": ids[:, :8].contiguous()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = suggest(model, batch, low="16-mixed", loss_fn=lambda out, b: out.loss)
+    assert found.met and found.verified and sorted(found.islands) == sorted(wos)
+    assert sorted(found.outputs) == sorted(wos)
+    total = sum(p.numel() for p in model.parameters())
+    assert found.final.fp32_params / total < 0.2
+    assert 1e-2 < found.final.grad_error < 2e-2  # past the margin, within the tolerance
+    assert all(c.passed and c.limit == 2e-2 for c in found.held_out)
+    assert "no further island brought its worst error down by 20%" in found.message
+    encoder = next(c for c in found.checks if "encoder" in c.islands)
+    assert encoder.grad_error > 0.8 * found.final.grad_error  # what it would have added

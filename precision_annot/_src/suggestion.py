@@ -776,6 +776,9 @@ class _Search:
                     for n, m in reference.named_modules()}
         self.runs: Counter[str] = Counter()
         self.watching: str | None = None
+        #: the share of the tolerance the calibration batch settled at, when no island
+        #: brought it to the margin by enough to be worth its parameters (None: it reached it)
+        self.settled: float | None = None
 
     def held_together(self, islands: Islands) -> Islands:
         """The islands with every owner of a parameter they share with a module outside: a
@@ -810,9 +813,11 @@ class _Search:
     def check(self, islands: Islands, sample: _Sample, *, limit: float) -> Check:
         islands = self.held_together(islands)
         key = (_key(islands), sample.label, limit)
-        found = self.memo.get(key)
-        if found is not None:
-            return found
+        found = self.memo.get(key) or next(
+            (c for (k, label, _), c in self.memo.items() if k == key[0] and label == key[1]),
+            None)
+        if found is not None:  # the same run held to another limit: its errors stand
+            return found if found.limit == limit else _held_to(found, limit)
         assert sample.light is not None
         # a run is watched (every op, to find where a non-finite value arises) only when it
         # fails with one; after one did, the next on the same batch is watched at once
@@ -872,6 +877,20 @@ def _check(search: _Search, islands: Islands, sample: _Sample, limit: float, *,
 
 
 _HANDED = "its output overflowed on the way out: it hands back fp32"
+#: on the calibration batch, between the margin and the tolerance, an island is added only
+#: when it brings the worst error (against the limit) down by at least this share
+WORTH = 0.2
+
+
+def _held_to(check: Check, limit: float) -> Check:
+    """`check`'s run held to another limit."""
+    errors = check.errors().values()
+    return dataclasses.replace(check, limit=limit, passed=all(
+        math.isfinite(e) and e <= limit for e in errors))
+
+
+def _worst(check: Check) -> float:
+    return max(check.errors().values())
 
 
 def _scaled_backward(search: _Search, model: nn.Module, loss: torch.Tensor
@@ -987,16 +1006,32 @@ def _choose(search: _Search, sample: _Sample, start: Islands, measure: Callable[
                              "is handed back to its caller, the root, which cannot be an "
                              "island."), why
         assert target is not None
-        islands = {i: o for i, o in islands.items() if _covering(i, {target: False}) is None}
-        islands[target] = out32 or islands.get(target, False)
+        trial = {i: o for i, o in islands.items() if _covering(i, {target: False}) is None}
+        trial[target] = out32 or islands.get(target, False)
+        before, last = last, search.check(trial, sample, limit=limit)
+        if culprit is None and not last.passed and _within(search, before, limit) and \
+                _worst(last) > (1 - WORTH) * _worst(before):
+            # the margin is a target, not a cliff: between it and the tolerance, an island
+            # that does not bring the error down by a fifth is not worth its parameters
+            search.settled = _worst(before) / search.tolerance
+            limit = search.tolerance
+            last = _held_to(before, limit)
+            break
+        islands = trial
         why[target] = reason
-        last = search.check(islands, sample, limit=limit)
     if not last.passed:
         return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks; the "
                          "islands shown are the best plan tried."), why
     if not prune:  # islands the batches seen before need stay
         return islands, "", why
     return _prune(search, sample, islands, limit, progress, fixed), "", why
+
+
+def _within(search: _Search, check: Check, limit: float) -> bool:
+    """`check` misses only the margin on the calibration batch: every error finite and within
+    the tolerance."""
+    return limit < search.tolerance and check.finite and check.crashed is None and all(
+        e <= search.tolerance for e in check.errors().values())
 
 
 def _prune(search: _Search, sample: _Sample, islands: Islands, limit: float,
@@ -1294,10 +1329,12 @@ def _outcome(search: _Search, islands: Islands, message: str, final: Check, held
     forced = [i for i, reason in why.items() if reason == "gradients" and i in islands]
     if met:
         count = len([i for i in islands if i not in speed])
+        at = (f"at {margin:g} of the tolerance" if search.settled is None else
+              f"at {search.settled:.2f} of the tolerance: no further island brought its worst "
+              f"error down by {WORTH:.0%}, so the {margin:g} margin stayed a target")
         message = (f"The plan meets the tolerance with {count} island"
-                   f"{'' if count == 1 else 's'}, on the calibration batch (at {margin:g} of "
-                   f"the tolerance) and on {len(held)} held-out batch"
-                   f"{'' if len(held) == 1 else 'es'}.")
+                   f"{'' if count == 1 else 's'}, on the calibration batch ({at}) and on "
+                   f"{len(held)} held-out batch{'' if len(held) == 1 else 'es'}.")
         if forced:
             message += (f" Gradients alone forced {', '.join(repr(f) for f in forced)}: the "
                          "outputs and the loss were within the tolerance without "
@@ -1465,7 +1502,8 @@ def suggest(
         held = [search.check(islands, b, limit=float(tolerance)) for b in others if b.light]
         if measure:
             measure_on(calib)()
-        final = search.check(islands, calib, limit=float(tolerance) * float(margin))
+        final = search.check(islands, calib, limit=float(tolerance) * (
+            float(margin) if search.settled is None else 1.0))
     met, message, islands = _outcome(search, islands, message, final, held, speed, why)
     verified = bool(held) and rows >= MIN_ROWS
     if met and not verified:
