@@ -63,6 +63,7 @@ lock:
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy --strict precision_annot
+	$(PY) tools/complexity.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

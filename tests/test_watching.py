@@ -288,3 +288,10 @@ def test_watch_report_lists_fp8_operands_by_their_worst_underflow(
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("0 ") and "input" in line)
     assert row.split()[2] == f"{worst.fp8['0'][0].underflow:.2%}" and row.split()[3] == "1"
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "1e-2", True, float("nan"), float("inf")])
+def test_diff_rejects_a_bad_tolerance_naming_it(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"diff: tolerance is a relative error above 0, e\.g\. "
+                                         r"1e-2\. Received: tolerance="):
+        pa.diff(chain(), torch.randn(2, 16), tolerance=bad)  # type: ignore[arg-type]

@@ -178,6 +178,31 @@ def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tens
     return recorder
 
 
+def _compare(planned: _Recorder, exact: _Recorder, plan: PrecisionPlan) -> list[ModuleDiff]:
+    """Each module both runs recorded, in the planned run's order."""
+    rows = []
+    for name in planned.order:
+        if name not in exact.outputs:
+            continue
+        out = _error(planned.outputs[name], exact.outputs[name])
+        grad = _error(planned.grads.get(name), exact.grads.get(name))
+        entry = plan.get(name)
+        rows.append(ModuleDiff(name, entry.policy.compute if entry is not None else None,
+                               math.nan if out is None else out, grad))
+    return rows
+
+
+def _say_if_fp32_is_not_finite(rows: list[ModuleDiff], planned: _Recorder) -> None:
+    broken = next((r.name for r in rows if math.isnan(r.output_error)
+                   and planned.outputs.get(r.name) is not None), None)
+    if broken is not None:
+        warnings.warn(f"diff: the fp32 run itself holds values that are not finite from module "
+                      f"{broken!r} on: no precision makes them finite, so they are not "
+                      "compared (error nan). Look at the weights and the batch (a step that "
+                      "was taken on a non-finite loss leaves non-finite weights).",
+                      UserWarning, stacklevel=3)
+
+
 def diff(model: nn.Module, sample: Any, *,
          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
          tolerance: float | None = None) -> DiffReport:
@@ -210,7 +235,8 @@ def diff(model: nn.Module, sample: Any, *,
         True
     """
     require_module(model, "diff")
-    if tolerance is not None and (isinstance(tolerance, bool) or not tolerance > 0):
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(
+            tolerance, (int, float)) or not 0 < tolerance < math.inf):
         raise ValueError(f"diff: tolerance is a relative error above 0, e.g. 1e-2. Received: "
                          f"tolerance={tolerance!r}")
     inner = unwrap(model)
@@ -221,23 +247,8 @@ def diff(model: nn.Module, sample: Any, *,
     tol = tolerance if tolerance is not None else _tolerance(plan)
     planned = _run(low, sample, loss_fn)
     exact = _run(reference, cast_tree(sample, fp32), loss_fn)
-    rows = []
-    for name in planned.order:
-        if name not in exact.outputs:
-            continue
-        out = _error(planned.outputs[name], exact.outputs[name])
-        grad = _error(planned.grads.get(name), exact.grads.get(name))
-        entry = plan.get(name)
-        rows.append(ModuleDiff(name, entry.policy.compute if entry is not None else None,
-                               math.nan if out is None else out, grad))
-    broken = next((r.name for r in rows if math.isnan(r.output_error)
-                   and planned.outputs.get(r.name) is not None), None)
-    if broken is not None:
-        warnings.warn(f"diff: the fp32 run itself holds values that are not finite from module "
-                      f"{broken!r} on: no precision makes them finite, so they are not "
-                      "compared (error nan). Look at the weights and the batch (a step that "
-                      "was taken on a non-finite loss leaves non-finite weights).",
-                      UserWarning, stacklevel=2)
+    rows = _compare(planned, exact, plan)
+    _say_if_fp32_is_not_finite(rows, planned)
     first = next((r.name for r in rows if r.output_error > tol), None)
     first_grad = next((r.name for r in reversed(rows)
                        if r.grad_error is not None and r.grad_error > tol), None)

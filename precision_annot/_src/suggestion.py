@@ -33,7 +33,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import torch
 from torch import nn
@@ -937,6 +937,26 @@ def _climb(structure: PrecisionPlan, ref: _Reference, start: str, limit: float
     return last, True
 
 
+class _Move(NamedTuple):
+    """The island `_choose` adds next, why, and how."""
+
+    target: str
+    out32: bool
+    reason: str
+    exact: bool = False  # out32 as given, not kept True where the island already hands fp32
+    by_error: bool = False  # chosen by measured error (finite): may settle at the tolerance
+
+
+_NO_ROOT = ("No plan short of the whole model in fp32 meets the tolerance: a non-finite value "
+            "arises in the model's own code (the root), which cannot be an island.")
+_NO_LOSS = ("No plan short of the whole model in fp32 meets the tolerance: a non-finite value "
+            "first appears outside the model, in loss_fn: compute the loss in fp32 "
+            "(output.float()).")
+_NO_CALLER = ("No plan short of the whole model in fp32 meets the tolerance: the output of the "
+              "fp32 island does not fit the low dtype when it is handed back to its caller, "
+              "the root, which cannot be an island.")
+
+
 def _choose(search: _Search, sample: _Sample, start: Islands, measure: Callable[[], list[
             Sensitivity]], progress: _Progress, low_max: float, fixed: frozenset[str],
             limit: float | None = None, prune: bool = True
@@ -944,73 +964,21 @@ def _choose(search: _Search, sample: _Sample, start: Islands, measure: Callable[
     """Add islands until a check on `sample` passes at `limit` (the margin times the
     tolerance by default). Returns the islands, a message when it gave up, and why each island
     was added. `fixed` islands (kept for speed) are never pruned."""
-    structure = search.structure
     limit = search.tolerance * search.margin if limit is None else limit
     islands = dict(start)
     why: dict[str, str] = {}
-    candidates = sum(1 for e in structure.values() if not e.container)
+    candidates = sum(1 for e in search.structure.values() if not e.container)
     last = search.check(islands, sample, limit=limit)
     while not last.passed and len(search.memo) < MAX_CHECKS:
         progress.update(f"checks on the {sample.label} batch", len(search.memo),
                         min(MAX_CHECKS, candidates + 1))
-        culprit = last.first_nonfinite
-        target: str | None = None
-        out32 = False
-        handed = [i for i in last.outputs if why.get(i) == _HANDED]
-        if last.crashed is not None and handed:  # its caller cannot take fp32: move up
-            target, out32 = _climb(structure, search.full(sample),
-                                   _runs_above(structure, handed[-1]) or handed[-1], low_max)
-            why[target] = "an island's fp32 output could not be taken by its caller"
-            islands = {i: o for i, o in islands.items()
-                       if _covering(i, {target: False}) is None}
-            islands[target] = out32
-            last = search.check(islands, sample, limit=limit)
-            continue
-        if culprit == OUTSIDE:
-            return islands, ("No plan short of the whole model in fp32 meets the tolerance: a "
-                             "non-finite value first appears outside the model, in loss_fn: "
-                             "compute the loss in fp32 (output.float())."), why
-        if culprit is not None:
-            owner = _covering(culprit, islands) if culprit else None
-            callers = [i for i, out in islands.items()
-                       if out and _runs_above(structure, i) == culprit]
-            if owner is not None and not islands[owner]:
-                target, out32, reason = owner, True, _HANDED
-            elif owner is not None or (culprit and callers):
-                target, out32 = _climb(structure, search.full(sample), owner or culprit,
-                                       low_max)
-                reason = "an island's fp32 output overflowed its caller"
-            elif culprit:
-                target, reason = culprit, "a non-finite value arose in it"
-            else:
-                return islands, ("No plan short of the whole model in fp32 meets the "
-                                 "tolerance: a non-finite value arises in the model's own code "
-                                 "(the root), which cannot be an island."), why
-        else:
-            table = measure()
-            target = next((s.name for s in table if s.score > 0
-                           and _covering(s.name, islands) is None), None)
-            grads_only = (last.grad_error is not None and last.grad_error > limit
-                          and last.output_error <= limit
-                          and (last.loss_error is None or last.loss_error <= limit))
-            reason = "gradients" if grads_only else "sensitive"
-            if target is None:
-                return islands, ("No plan short of the whole model in fp32 meets the "
-                                 "tolerance: every module measured alone is an island already "
-                                 "(or could not be run alone). The errors reached: "
-                                 + ", ".join(
-                                     f"{k} {v:.2e}" for k, v in last.errors().items()) + "."), why
-        if target == "":
-            return islands, ("No plan short of the whole model in fp32 meets the tolerance: "
-                             "the output of the fp32 island does not fit the low dtype when it "
-                             "is handed back to its caller, the root, which cannot be an "
-                             "island."), why
-        assert target is not None
-        trial = {i: o for i, o in islands.items() if _covering(i, {target: False}) is None}
-        trial[target] = out32 or islands.get(target, False)
+        move = _next_island(search, sample, islands, last, why, measure, low_max, limit)
+        if isinstance(move, str):
+            return islands, move, why
+        trial = {i: o for i, o in islands.items() if _covering(i, {move.target: False}) is None}
+        trial[move.target] = move.out32 or (not move.exact and islands.get(move.target, False))
         before, last = last, search.check(trial, sample, limit=limit)
-        if culprit is None and not last.passed and _within(search, before, limit) and \
-                _worst(last) > (1 - WORTH) * _worst(before):
+        if move.by_error and not _worth(search, before, last, limit):
             # the margin is a target, not a cliff: between it and the tolerance, an island
             # that does not bring the error down by a fifth is not worth its parameters
             search.settled = _worst(before) / search.tolerance
@@ -1018,13 +986,73 @@ def _choose(search: _Search, sample: _Sample, start: Islands, measure: Callable[
             last = _held_to(before, limit)
             break
         islands = trial
-        why[target] = reason
+        why[move.target] = move.reason
     if not last.passed:
         return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks; the "
                          "islands shown are the best plan tried."), why
     if not prune:  # islands the batches seen before need stay
         return islands, "", why
     return _prune(search, sample, islands, limit, progress, fixed), "", why
+
+
+def _next_island(search: _Search, sample: _Sample, islands: Islands, last: Check,
+                 why: dict[str, str], measure: Callable[[], list[Sensitivity]],
+                 low_max: float, limit: float) -> _Move | str:
+    """The island to add after `last` failed, or why no plan short of fp32 can pass."""
+    structure = search.structure
+    handed = [i for i in last.outputs if why.get(i) == _HANDED]
+    if last.crashed is not None and handed:  # its caller cannot take fp32: move up
+        target, out32 = _climb(structure, search.full(sample),
+                               _runs_above(structure, handed[-1]) or handed[-1], low_max)
+        return _Move(target, out32, "an island's fp32 output could not be taken by its caller",
+                     exact=True)
+    culprit = last.first_nonfinite
+    if culprit == OUTSIDE:
+        return _NO_LOSS
+    if culprit is None:
+        return _by_error(islands, last, measure(), limit)
+    return _by_culprit(search, sample, islands, culprit, low_max)
+
+
+def _by_culprit(search: _Search, sample: _Sample, islands: Islands, culprit: str,
+                low_max: float) -> _Move | str:
+    """Where a non-finite value first arose in `culprit`: it becomes an island; an island it
+    is already hands back fp32; an island whose fp32 output overflowed its caller moves up."""
+    structure = search.structure
+    owner = _covering(culprit, islands) if culprit else None
+    callers = [i for i, out in islands.items() if out and _runs_above(structure, i) == culprit]
+    if owner is not None and not islands[owner]:
+        return _Move(owner, True, _HANDED)
+    if owner is not None or (culprit and callers):
+        target, out32 = _climb(structure, search.full(sample), owner or culprit, low_max)
+        return _Move(target, out32, "an island's fp32 output overflowed its caller") \
+            if target else _NO_CALLER
+    return _Move(culprit, False, "a non-finite value arose in it") if culprit else _NO_ROOT
+
+
+def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: float
+              ) -> _Move | str:
+    """With finite errors too large: the most sensitive module measured alone that no island
+    holds yet."""
+    target = next((s.name for s in table if s.score > 0 and _covering(s.name, islands) is None),
+                  None)
+    if target is None:
+        return ("No plan short of the whole model in fp32 meets the tolerance: every module "
+                "measured alone is an island already (or could not be run alone). The errors "
+                "reached: " + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
+    if target == "":
+        return _NO_CALLER
+    grads_only = (last.grad_error is not None and last.grad_error > limit
+                  and last.output_error <= limit
+                  and (last.loss_error is None or last.loss_error <= limit))
+    return _Move(target, False, "gradients" if grads_only else "sensitive", by_error=True)
+
+
+def _worth(search: _Search, before: Check, after: Check, limit: float) -> bool:
+    """Whether the island that turned `before` into `after` is worth keeping: it passes, or
+    `before` was more than the margin away, or it brings the worst error down by WORTH."""
+    return after.passed or not _within(search, before, limit) or (
+        _worst(after) <= (1 - WORTH) * _worst(before))
 
 
 def _within(search: _Search, check: Check, limit: float) -> bool:
@@ -1308,38 +1336,93 @@ def _outcome(search: _Search, islands: Islands, message: str, final: Check, held
              speed: list[str], why: dict[str, str]) -> tuple[bool, str, Islands]:
     """Whether the plan is met, what to say, and the islands to return (the best plan seen on
     the calibration batch, when none met the tolerance)."""
-    margin = search.margin
     met = not message and final.passed and all(c.passed for c in held)
-    total = search.sizes.get("", 0)
-    kept = [i for i in islands if i not in speed]  # speed islands stay bf16: not a fallback
-    if met and total and kept and search.fp32_params(dict.fromkeys(kept, False)) >= total:
-        met = False
-        message = ("No plan short of the whole model in fp32 meets the tolerance: the plan "
-                   "that passes keeps every parameter in fp32 ("
-                   + ", ".join(repr(i) for i in kept) + "), since each island's output "
-                   "overflows the low dtype in its caller.")
-    if not met and not message:
+    if met:
+        fallback = _whole_model(search, islands, speed)
+        if not fallback:
+            return True, _met_message(search, islands, held, speed, why), islands
+        met, message = False, fallback
+    if not message:
         failing = next(c for c in [final, *held] if not c.passed)
         message = (f"The plan does not meet the tolerance on the {failing.sample} batch ("
                    + ", ".join(f"{k} {v:.2e}" for k, v in failing.errors().items()) + ").")
-    if not met:
-        best = _best(search, final.sample)
-        if best is not None and not message.startswith("No plan"):
-            islands = {i: i in best.outputs for i in best.islands}
+    best = _best(search, final.sample)
+    if best is not None and not message.startswith("No plan"):
+        islands = {i: i in best.outputs for i in best.islands}
+    return False, message, islands
+
+
+def _whole_model(search: _Search, islands: Islands, speed: list[str]) -> str:
+    """Why a passing plan is no answer, when its islands (not those kept for speed, which
+    stay in the low compute's wider dtype) hold every parameter; else ""."""
+    total = search.sizes.get("", 0)
+    kept = [i for i in islands if i not in speed]
+    if not (total and kept and search.fp32_params(dict.fromkeys(kept, False)) >= total):
+        return ""
+    return ("No plan short of the whole model in fp32 meets the tolerance: the plan that "
+            "passes keeps every parameter in fp32 (" + ", ".join(repr(i) for i in kept)
+            + "), since each island's output overflows the low dtype in its caller.")
+
+
+def _met_message(search: _Search, islands: Islands, held: list[Check], speed: list[str],
+                 why: dict[str, str]) -> str:
+    count = len([i for i in islands if i not in speed])
+    margin = search.margin
+    at = (f"at {margin:g} of the tolerance" if search.settled is None else
+          f"at {search.settled:.2f} of the tolerance: no further island brought its worst "
+          f"error down by {WORTH:.0%}, so the {margin:g} margin stayed a target")
+    message = (f"The plan meets the tolerance with {count} island{'' if count == 1 else 's'}, "
+               f"on the calibration batch ({at}) and on {len(held)} held-out batch"
+               f"{'' if len(held) == 1 else 'es'}.")
     forced = [i for i, reason in why.items() if reason == "gradients" and i in islands]
-    if met:
-        count = len([i for i in islands if i not in speed])
-        at = (f"at {margin:g} of the tolerance" if search.settled is None else
-              f"at {search.settled:.2f} of the tolerance: no further island brought its worst "
-              f"error down by {WORTH:.0%}, so the {margin:g} margin stayed a target")
-        message = (f"The plan meets the tolerance with {count} island"
-                   f"{'' if count == 1 else 's'}, on the calibration batch ({at}) and on "
-                   f"{len(held)} held-out batch{'' if len(held) == 1 else 'es'}.")
-        if forced:
-            message += (f" Gradients alone forced {', '.join(repr(f) for f in forced)}: the "
-                         "outputs and the loss were within the tolerance without "
-                         f"{'it' if len(forced) == 1 else 'them'}.")
-    return met, message, islands
+    if forced:
+        message += (f" Gradients alone forced {', '.join(repr(f) for f in forced)}: the "
+                    "outputs and the loss were within the tolerance without "
+                    f"{'it' if len(forced) == 1 else 'them'}.")
+    return message
+
+
+def _require_numbers(tolerance: object, margin: object) -> None:
+    for value, what in ((tolerance, "tolerance"), (margin, "margin")):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
+                0 < value < math.inf) or (what == "margin" and value > 1):
+            raise ValueError(f"suggest({what}=...) must be a number above 0"
+                             f"{' and at most 1' if what == 'margin' else ''}. Received: "
+                             f"{what}={value!r}")
+
+
+def _warn_small(small: str, rows: int) -> None:
+    if rows < MIN_ROWS:
+        small = " ".join(filter(None, [small, (
+            f"The calibration batch holds {rows} rows (tokens, samples): too few to show "
+            "the peaks a plan must survive. Pass a larger sample.")]))
+    if small:
+        warnings.warn(f"suggest: {small}", UserWarning, stacklevel=3)
+
+
+def _first_scale(low: torch.dtype, ref: _Reference) -> float:
+    """The loss scale fp16 checks start from: the largest power of two (up to 2**24) that
+    keeps the fp32 run's largest gradient in fp16; 1 for other dtypes."""
+    if low != fp16 or ref.backward_peak <= 0:
+        return 1.0
+    return float(2.0 ** max(0, min(24, math.floor(math.log2(65504 / ref.backward_peak)))))
+
+
+def _warn_no_fp8_gain(low: SpecLike, speed: list[str], low_dtype: torch.dtype) -> None:
+    warnings.warn(
+        f"suggest: low={low!r} but no Linear layer here gains from fp8: "
+        + (f"all {len(speed)} are too small (torchao's thresholds, see check's "
+           f"fp8-small-gemm), so the plan keeps them in {dtype_name(low_dtype)} and runs no "
+           "GEMM in fp8." if speed else "the model has none, so nothing would run in fp8.")
+        + " low='bf16-mixed' gives the same plan without fp8 in its name.",
+        UserWarning, stacklevel=3)
+
+
+def _unverified(rows: int) -> str:
+    return (" Unverified: " + (f"the calibration batch holds {rows} rows (tokens, samples), "
+                               f"fewer than {MIN_ROWS}" if rows < MIN_ROWS
+                               else "no held-out batch checked it")
+            + ", so the plan has not been shown to hold on data it was not chosen on.")
 
 
 def suggest(
@@ -1419,12 +1502,7 @@ def suggest(
     assert low_dtype is not None
     if tolerance is None:
         tolerance = FP8_TOLERANCE if policy.gemm else DEFAULT_TOLERANCE[low_dtype]
-    for value, what in ((tolerance, "tolerance"), (margin, "margin")):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-                0 < value < math.inf) or (what == "margin" and value > 1):
-            raise ValueError(f"suggest({what}=...) must be a number above 0"
-                             f"{' and at most 1' if what == 'margin' else ''}. Received: "
-                             f"{what}={value!r}")
+    _require_numbers(tolerance, margin)
     losses = _loss_fn(loss_fn)
     show = sys.stderr.isatty() if progress is None else bool(progress)
     bar = _Progress(show)
@@ -1457,16 +1535,9 @@ def suggest(
         _require_finite_reference(ref)
         _require_deterministic(reference, calib.args, calib.kwargs, ref, float(tolerance))
         rows = _rows(calib.args, calib.kwargs)
-        if rows < MIN_ROWS:
-            small = " ".join(filter(None, [small, (
-                f"The calibration batch holds {rows} rows (tokens, samples): too few to show "
-                "the peaks a plan must survive. Pass a larger sample.")]))
-        if small:
-            warnings.warn(f"suggest: {small}", UserWarning, stacklevel=2)
+        _warn_small(small, rows)
         calib.light = ref
-        scale = 1.0
-        if low_dtype == fp16 and ref.backward_peak > 0:
-            scale = 2.0 ** max(0, min(24, math.floor(math.log2(65504 / ref.backward_peak))))
+        scale = _first_scale(low_dtype, ref)
         search = _Search(reference, structure, policy, island, losses, scale, float(tolerance),
                          float(margin), _ties(reference), _sizes(reference))
         search.runs.update({"fp32": 1, "fp32 forward (determinism)": 1})
@@ -1474,14 +1545,7 @@ def suggest(
         eligible = None if not policy.gemm else {
             n for n, m in reference.named_modules() if isinstance(m, nn.Linear)}
         if eligible is not None and len(speed) == len(eligible):
-            warnings.warn(
-                f"suggest: low={low!r} but no Linear layer here gains from fp8: "
-                + (f"all {len(speed)} are too small (torchao's thresholds, see check's "
-                   "fp8-small-gemm), so the plan keeps them in "
-                   f"{dtype_name(low_dtype)} and runs no GEMM in fp8."
-                   if speed else "the model has none, so nothing would run in fp8.")
-                + " low='bf16-mixed' gives the same plan without fp8 in its name.",
-                UserWarning, stacklevel=2)
+            _warn_no_fp8_gain(low, speed, low_dtype)
         tables: dict[str, list[Sensitivity]] = {}
 
         def measure_on(batch: _Sample) -> Callable[[], list[Sensitivity]]:
@@ -1507,11 +1571,7 @@ def suggest(
     met, message, islands = _outcome(search, islands, message, final, held, speed, why)
     verified = bool(held) and rows >= MIN_ROWS
     if met and not verified:
-        message += (" Unverified: " + (f"the calibration batch holds {rows} rows (tokens, "
-                                       f"samples), fewer than {MIN_ROWS}" if rows < MIN_ROWS
-                                       else "no held-out batch checked it")
-                    + ", so the plan has not been shown to hold on data it was not chosen "
-                      "on.")
+        message += _unverified(rows)
     plan = search.plan(islands, dict(model.named_modules()), resolve(model))
     if not met:
         warnings.warn(f"suggest: {message}", UserWarning, stacklevel=2)

@@ -543,52 +543,78 @@ class watch:
         return (r for r in self.history if rank is None or r.rank == rank)
 
 
+def _read(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The records of a JSON-lines file `watch` wrote, rank 0's and the reduced ones."""
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line) if line.strip() else None
+        if record is not None and record.get("rank") in (0, "all"):
+            yield record
+
+
+def _tensors(record: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(module, "output" or "grad", its statistics) for each tensor of one record."""
+    for kind, label in (("outputs", "output"), ("grads", "grad")):
+        for module, stats in record[kind].items():
+            yield module, label, stats
+
+
+def _worst_fp8(fp8: dict[tuple[str, str], tuple[float, int, float]], record: dict[str, Any]
+               ) -> None:
+    """Keep each fp8 operand's worst underflow (and its step) and its smallest scale."""
+    for module, ops in record.get("fp8", {}).items():
+        for op in ops:
+            key = (module, op["operand"])
+            under, step, scale = fp8.get(key, (-1.0, record["step"], op["scale"]))
+            if op["underflow"] > under:
+                under, step = op["underflow"], record["step"]
+            fp8[key] = (under, step, min(scale, op["scale"]))
+
+
+def _fp8_table(fp8: dict[tuple[str, str], tuple[float, int, float]], top: int) -> list[str]:
+    if not fp8:
+        return []
+    table: list[tuple[str, ...]] = [("fp8 module", "operand", "worst underflow", "at step",
+                                     "smallest scale")]
+    for (module, operand), (under, step, scale) in sorted(
+            fp8.items(), key=lambda kv: -kv[1][0])[:top]:
+        table.append((module or "(root)", operand, f"{under:.2%}", str(step), f"{scale:.3g}"))
+    return ["", "fp8 GEMM operands, the share of nonzero values below fp8's smallest normal "
+                "once scaled:", *format_table(table, right={2, 3, 4})]
+
+
 def report(path: str | Path, top: int = 10) -> str:
-    """The modules closest to their dtype's limits over a JSON-lines file `watch` wrote."""
-    worst: dict[tuple[str, str], tuple[float, int, int, dict[str, Any]]] = {}
+    """The modules closest to their dtype's limits over a JSON-lines file `watch` wrote: each
+    tensor's worst step (values not finite first, then the largest margin)."""
+    worst: dict[tuple[str, str], tuple[tuple[bool, float], int, dict[str, Any]]] = {}
     fp8: dict[tuple[str, str], tuple[float, int, float]] = {}
     steps = 0
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if record.get("rank") not in (0, "all"):
-            continue
+    for record in _read(path):
         steps += 1
-        for module, ops in record.get("fp8", {}).items():
-            for op in ops:
-                key8 = (module, op["operand"])
-                seen8 = fp8.get(key8)
-                scale = min(op["scale"], seen8[2]) if seen8 else op["scale"]
-                if seen8 is None or op["underflow"] > seen8[0]:
-                    fp8[key8] = (op["underflow"], record["step"], scale)
-                else:
-                    fp8[key8] = (seen8[0], seen8[1], scale)
-        for kind in ("outputs", "grads"):
-            for module, s in record[kind].items():
-                key = (module, kind[:-1] if kind == "grads" else "output")
-                seen = worst.get(key)
-                score = (s["nonfinite"] > 0, s["margin"])
-                if seen is None or score > (seen[1] > 0, seen[0]):
-                    worst[key] = (s["margin"], s["nonfinite"], record["step"], s)
+        _worst_fp8(fp8, record)
+        for module, kind, stats in _tensors(record):
+            score = (stats["nonfinite"] > 0, stats["margin"])
+            if (module, kind) not in worst or score > worst[(module, kind)][0]:
+                worst[(module, kind)] = (score, record["step"], stats)
     rows: list[tuple[str, ...]] = [("module", "of", "dtype", "worst margin", "at step",
                                     "non-finite")]
-    ranked = sorted(worst.items(), key=lambda kv: (-(kv[1][1] > 0), -kv[1][0]))[:top]
-    for (module, kind), (margin, nonfinite, step, s) in ranked:
-        rows.append((module or "(root)", kind, s["dtype"], f"{margin:.2%}", str(step),
-                     str(nonfinite)))
-    lines = [f"{steps} sampled steps in {path}; the closest to their limits:",
-             *format_table(rows, right={3, 4, 5})]
-    if fp8:
-        table: list[tuple[str, ...]] = [("fp8 module", "operand", "worst underflow", "at step",
-                                         "smallest scale")]
-        for (module, operand), (under, step, scale) in sorted(
-                fp8.items(), key=lambda kv: -kv[1][0])[:top]:
-            table.append((module or "(root)", operand, f"{under:.2%}", str(step), f"{scale:.3g}"))
-        lines += ["", "fp8 GEMM operands, the share of nonzero values below fp8's smallest "
-                      "normal once scaled:", *format_table(table, right={2, 3, 4})]
-    return "\n".join(lines)
+    for (module, kind), (_, step, stats) in sorted(worst.items(),
+                                                   key=lambda kv: kv[1][0], reverse=True)[:top]:
+        rows.append((module or "(root)", kind, stats["dtype"], f"{stats['margin']:.2%}",
+                     str(step), str(stats["nonfinite"])))
+    return "\n".join([f"{steps} sampled steps in {path}; the closest to their limits:",
+                      *format_table(rows, right={3, 4, 5}), *_fp8_table(fp8, top)])
 
+
+def _series(path: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Each tensor's margin over the steps (inf where values were not finite), by label."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for record in _read(path):
+        for module, kind, stats in _tensors(record):
+            label = f"{module or '(root)'} {'out' if kind == 'output' else 'grad'} " \
+                    f"({stats['dtype']})"
+            margin = math.inf if stats["nonfinite"] else stats["margin"]
+            series.setdefault(label, []).append((record["step"], margin))
+    return series
 
 
 def plot(path: str | Path, out: str | Path, top: int = 8) -> None:
@@ -603,19 +629,7 @@ def plot(path: str | Path, out: str | Path, top: int = 8) -> None:
     except ImportError as e:
         raise ImportError("watch-report --plot draws with matplotlib: pip install "
                           "'precision-annot[plot]'.") from e
-    series: dict[str, list[tuple[int, float]]] = {}
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        record = json.loads(line)
-        if record.get("rank") not in (0, "all"):
-            continue
-        for kind in ("outputs", "grads"):
-            for module, s in record[kind].items():
-                label = f"{module or '(root)'} {'grad' if kind == 'grads' else 'out'} " \
-                        f"({s['dtype']})"
-                margin = math.inf if s["nonfinite"] else s["margin"]
-                series.setdefault(label, []).append((record["step"], margin))
+    series = _series(path)
     ranked = sorted(series, key=lambda k: -max(m for _, m in series[k]))[:top]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label in ranked:
