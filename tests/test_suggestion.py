@@ -686,3 +686,27 @@ def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
     assert "no further island brought its worst error down by 20%" in found.message
     encoder = next(c for c in found.checks if "encoder" in c.islands)
     assert encoder.grad_error > 0.8 * found.final.grad_error  # what it would have added
+
+
+def test_batchnorm_runs_on_the_batchs_statistics_when_suggest_trains() -> None:
+    """A fresh BatchNorm between a Linear whose activations reach thousands and a head: in
+    eval mode it would normalise with its running statistics (mean 0, variance 1) and hand the
+    head values that overflow fp16; training normalises with the batch's own. With a loss,
+    suggest measures what training meets: no island, and the plan trains in fp16; without
+    one (inference, eval mode) the head overflows and is kept."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(3000.0)
+        model[2].weight.mul_(50.0)
+    x = torch.randn(64, 8)
+    trains = suggest(model, x, low="fp16", loss_fn=mse)
+    assert trains.met and trains.islands == []
+    trained = copy.deepcopy(model).train()
+    apply(trained, trains.plan)
+    out = trained(x.half())
+    want = copy.deepcopy(model).train()(x)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    infers = suggest(model, x, low="fp16")
+    assert infers.met and infers.islands and model.training  # the model itself is untouched

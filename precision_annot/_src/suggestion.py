@@ -1144,13 +1144,20 @@ class _Progress:
             self.shown = False
 
 
-def _fp32_copy(model: nn.Module) -> nn.Module:
+def _fp32_copy(model: nn.Module, training: bool) -> nn.Module:
     """A deep copy of `model` with no plan applied, every floating tensor in fp32, in eval
-    mode (dropout off, so that runs compare)."""
+    mode (dropout off, so that runs compare). With `training` (a loss to train on), the
+    normalisations that keep running statistics (BatchNorm) run as in training, on the
+    batch's own statistics: eval mode would normalise with the running ones, which training
+    never computes in, and a plan would be chosen for values training does not see."""
     reference = copy.deepcopy(model)
     remove(reference)
     reference.float()
     reference.eval()
+    if training:
+        for module in reference.modules():
+            if isinstance(getattr(module, "running_mean", None), torch.Tensor):
+                module.train()
     reference.zero_grad(set_to_none=True)
     return reference
 
@@ -1445,7 +1452,8 @@ def suggest(
     tolerance, then verified on held-out batches at the tolerance; a plan that fails one is
     searched again on it. The model's own annotations are not read: the plan is built from
     scratch (arguments named in `keep_dtype` are still kept). The model is not changed; the
-    runs happen on copies, in eval mode.
+    runs happen on copies, in eval mode (with `loss_fn`, BatchNorm layers run on the batch's
+    statistics, as in training).
 
     An island whose output overflows the low dtype on the way out first hands its output
     back in fp32 (`output=fp32`); only when that overflows its caller does the island move up,
@@ -1509,7 +1517,7 @@ def suggest(
     start = time.perf_counter()
     args, kwargs = as_call(sample)
     _require_real_data(model, (args, kwargs))
-    reference = _fp32_copy(model)
+    reference = _fp32_copy(model, training=losses is not None)
     structure = resolve(reference)
     if policy.gemm:
         from precision_annot._src.float8 import import_torchao
