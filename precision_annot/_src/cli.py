@@ -166,16 +166,22 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 1 if report.divergences else 0
 
 
+def _loss(args: argparse.Namespace, shape: str) -> Any:
+    """The callable `--loss` names, or None."""
+    if args.loss is None:
+        return None
+    loss_fn = load_object(args.loss, call=False)
+    if not callable(loss_fn):
+        raise CLIError(f"--loss {args.loss} must name a callable: {shape}.")
+    return loss_fn
+
+
 def _cmd_suggest(args: argparse.Namespace) -> int:
     from precision_annot._src.suggestion import suggest
 
     model = load_target(args.target)
     sample = load_object(args.sample)
-    loss_fn = None
-    if args.loss is not None:
-        loss_fn = load_object(args.loss, call=False)
-        if not callable(loss_fn):
-            raise CLIError(f"--loss {args.loss} must name a callable: output -> loss.")
+    loss_fn = _loss(args, "output -> loss")
     try:
         found = suggest(model, sample, low=args.low, loss_fn=loss_fn, tolerance=args.tolerance,
                         measure=args.plot is not None)
@@ -209,11 +215,7 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         except (TypeError, ValueError) as e:
             raise CLIError(str(e)) from e
     sample = load_object(args.sample)
-    loss_fn = None
-    if args.loss is not None:
-        loss_fn = load_object(args.loss, call=False)
-        if not callable(loss_fn):
-            raise CLIError(f"--loss {args.loss} must name a callable: (output, sample) -> loss.")
+    loss_fn = _loss(args, "(output, sample) -> loss")
     try:
         found = diff(model, sample, loss_fn=loss_fn, tolerance=args.tolerance)
     except (TypeError, ValueError) as e:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.casting import cast_tree, floating_leaves
+from precision_annot._src.casting import cast_tree, first_floating
 from precision_annot._src.dtypes import bf16, dtype_name, fp16, fp32
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
@@ -122,11 +122,9 @@ class _Recorder:
         def record(module: nn.Module, args: Any, output: Any) -> None:
             if name in self.outputs:
                 return
-            leaves: list[torch.Tensor] = []
-            floating_leaves(output, leaves)
-            if not leaves:
+            first = first_floating(output)
+            if first is None:
                 return
-            first = leaves[0]
             self.order.append(name)
             self.outputs[name] = first.detach().double().clone()
             if first.requires_grad:

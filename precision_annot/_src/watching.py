@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from precision_annot._src.casting import floating_leaves
+from precision_annot._src.casting import first_floating
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_module
@@ -206,11 +206,9 @@ class _Step:
         def record(module: nn.Module, args: Any, output: Any) -> None:
             if name in self.outputs or torch.compiler.is_compiling():
                 return
-            leaves: list[torch.Tensor] = []
-            floating_leaves(output, leaves)
-            if not leaves:
+            first = first_floating(output)
+            if first is None:
                 return
-            first = leaves[0]
             self.order.append(name)
             seen = self.seen.get(id(first))
             if seen is not None and seen[0]() is first and seen[2] == first._version:
@@ -218,12 +216,11 @@ class _Step:
                 self.aliases[name] = seen[1]
                 return
             self.seen[id(first)] = (weakref.ref(first), name, first._version)
-            inputs: list[torch.Tensor] = []
-            floating_leaves(args, inputs)
-            if inputs and _is_fp8_linear(module):
-                self.fp8[name] = _fp8_operands(module, inputs[0].detach())
-            self.outputs[name] = (first.dtype, _measure(first.detach(),
-                                                        inputs[0].detach() if inputs else None))
+            given = first_floating(args)
+            given = None if given is None else given.detach()
+            if given is not None and _is_fp8_linear(module):
+                self.fp8[name] = _fp8_operands(module, given)
+            self.outputs[name] = (first.dtype, _measure(first.detach(), given))
             if first.requires_grad:
                 def grad(g: torch.Tensor) -> None:
                     if name not in self.grads:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
+# not `as dist`: importing the submodule tests.workers.dist would rebind that name here
+import torch.distributed as torch_dist
 
 
 def leave() -> None:
@@ -17,9 +18,9 @@ def leave() -> None:
     in DeepSpeed, Lightning FSDP and Lightning DDP runs alike: a native thread still joinable
     during static destruction. `os._exit` skips those destructors.
     """
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if torch_dist.is_available() and torch_dist.is_initialized():
+        torch_dist.barrier()
+        torch_dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -21,9 +21,8 @@ from torch import nn
 import precision_annot as pa
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.update import state_bytes
-from precision_annot.adapters import ddp as ddp_adapter
-from precision_annot.adapters import fsdp as fsdp_adapter
 from tests.workers import leave
+from tests.workers.dist import MODES
 
 SPEC = "bf16-true,master=fp32,optim=8bit"
 
@@ -44,13 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     net = model()
-    plan = pa.resolve(net)
-    if mode == "fsdp2":
-        runner: nn.Module = fsdp_adapter.fully_shard(net, plan)
-    else:
-        pa.apply(net, plan)
-        runner = nn.parallel.DistributedDataParallel(net)
-        runner.register_comm_hook(None, ddp_adapter.comm_hook(pa.applied_plan(net)))
+    runner = MODES[mode](net, pa.resolve(net))  # FSDP2 shards, or DDP with the plan's hook
     seen: dict[str, str] = {}
 
     def record(name: str) -> Any:

@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 import precision_annot as pa
-from precision_annot.adapters import ddp as ddp_adapter
-from precision_annot.adapters import fsdp as fsdp_adapter
 from tests.workers import leave
+from tests.workers.dist import MODES
 
 
 class Extra(nn.Module):
@@ -59,13 +58,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     net = model()
-    plan = pa.resolve(net)
-    if mode == "fsdp2":
-        runner: nn.Module = fsdp_adapter.fully_shard(net, plan)
-    else:
-        pa.apply(net, plan)
-        runner = nn.parallel.DistributedDataParallel(net)
-        runner.register_comm_hook(None, ddp_adapter.comm_hook(pa.applied_plan(net)))
+    runner = MODES[mode](net, pa.resolve(net))  # FSDP2 shards, or DDP with the plan's hook
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(10 + rank)
     with warnings.catch_warnings(record=True) as said:

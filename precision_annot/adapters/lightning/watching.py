@@ -56,8 +56,7 @@ class WatchCallback(pl.Callback):
         record: WatchRecord | None = self.watch.step()
         if record is None:
             return
-        logged = next((r for r in self.watch.records("all") if r.step == record.step), record)
-        metrics = logged.metrics(self.prefix)
+        metrics = self.watch.history[-1].metrics(self.prefix)  # the reduced one, if any
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=record.step)
 
