@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from precision_annot import annotate, apply, resolve
-from precision_annot._src.suggestion import Suggestion, relative_error, suggest
+from precision_annot._src.suggest import Suggestion, relative_error, suggest
 
 LOW = "16-mixed"
 TOLERANCE = 2e-2  # suggest's default for fp16: the calibration batch held to 1e-2

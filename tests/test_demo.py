@@ -17,7 +17,7 @@ from torch import nn
 from precision_annot import annotate, apply, resolve
 from precision_annot._src.demo_model import Norm, TinyTransformer
 from precision_annot._src.demo_runner import _batches, next_token_loss, train_loop
-from precision_annot._src.suggestion import relative_error, suggest
+from precision_annot._src.suggest import relative_error, suggest
 
 
 def test_module_entry_point_and_demo(tmp_path: Path) -> None:

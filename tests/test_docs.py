@@ -52,7 +52,7 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 MODULES = [f"precision_annot._src.{name}" for name in (
-    "policy", "annotation", "resolution", "runtime", "auditing", "scaler", "suggestion",
+    "policy", "annotation", "resolution", "runtime", "auditing", "scaler", "suggest.pipeline",
     "checking", "watching", "diffing")]
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
 from precision_annot._src.cli import main
-from precision_annot._src.suggestion import Suggestion, suggest
+from precision_annot._src.suggest import Suggestion, suggest
 from tests.helpers import planted_t5
 
 GAIN = 2.0 ** 16  # exact in every dtype; lifts values of a few units past fp16's 65504

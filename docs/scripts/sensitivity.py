@@ -12,7 +12,7 @@ import torch
 
 from precision_annot._src.demo_model import TinyTransformer
 from precision_annot._src.demo_runner import _batches, next_token_loss
-from precision_annot._src.suggestion import Suggestion, suggest
+from precision_annot._src.suggest import Suggestion, suggest
 
 
 def render(out: Path) -> Suggestion:

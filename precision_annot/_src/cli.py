@@ -177,7 +177,7 @@ def _loss(args: argparse.Namespace, shape: str) -> Any:
 
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
-    from precision_annot._src.suggestion import suggest
+    from precision_annot._src.suggest import suggest
 
     model = load_target(args.target)
     sample = load_object(args.sample)

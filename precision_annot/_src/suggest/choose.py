@@ -1,0 +1,251 @@
+"""The choice: add islands until a check passes, drop them again, step down into children, and
+search again on a held-out batch that fails."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from precision_annot._src.plan import PrecisionPlan, parent_name
+from precision_annot._src.suggest.compare import finite_peak
+from precision_annot._src.suggest.constants import MAX_CHECKS, OUTSIDE
+from precision_annot._src.suggest.plans import Islands, covering
+from precision_annot._src.suggest.progress import Progress
+from precision_annot._src.suggest.records import LossFn, Reference, Sample
+from precision_annot._src.suggest.reference import run_reference
+from precision_annot._src.suggest.report import Check, Sensitivity
+from precision_annot._src.suggest.search import Search, held_to, worst_error
+
+_HANDED = "its output overflowed on the way out: it hands back fp32"
+#: on the calibration batch, between the margin and the tolerance, an island is added only
+#: when it brings the worst error (against the limit) down by at least this share
+WORTH = 0.2
+
+
+def _runs_above(structure: PrecisionPlan, name: str) -> str:
+    """The nearest ancestor that runs its own forward ("" for the root)."""
+    parent = parent_name(name)
+    while parent and structure[parent].container:
+        parent = parent_name(parent)
+    return parent
+
+
+def _climb(structure: PrecisionPlan, ref: Reference, start: str, limit: float
+           ) -> tuple[str, bool]:
+    """The island that takes over from `start`, whose output overflowed its caller: the
+    nearest module at or above `start` (never the root) whose output, as the fp32 run
+    recorded it, fits the low dtype with room to spare; else the outermost, handing back fp32.
+    One level at a time, chosen from the recorded peaks, not by a check per level."""
+    name, last = start, start
+    while name:
+        if name in ref.outputs and finite_peak(ref.outputs[name]) < limit / 2:
+            return name, False
+        last = name
+        name = _runs_above(structure, name)
+    return last, True
+
+
+class Move(NamedTuple):
+    """The island `choose` adds next, why, and how."""
+
+    target: str
+    out32: bool
+    reason: str
+    exact: bool = False  # out32 as given, not kept True where the island already hands fp32
+    by_error: bool = False  # chosen by measured error (finite): may settle at the tolerance
+
+
+_NO_ROOT = ("No plan short of the whole model in fp32 meets the tolerance: a non-finite value "
+            "arises in the model's own code (the root), which cannot be an island.")
+_NO_LOSS = ("No plan short of the whole model in fp32 meets the tolerance: a non-finite value "
+            "first appears outside the model, in loss_fn: compute the loss in fp32 "
+            "(output.float()).")
+_NO_CALLER = ("No plan short of the whole model in fp32 meets the tolerance: the output of the "
+              "fp32 island does not fit the low dtype when it is handed back to its caller, "
+              "the root, which cannot be an island.")
+
+
+def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[], list[
+            Sensitivity]], progress: Progress, low_max: float, fixed: frozenset[str],
+            limit: float | None = None, prune: bool = True
+            ) -> tuple[Islands, str, dict[str, str]]:
+    """Add islands until a check on `sample` passes at `limit` (the margin times the
+    tolerance by default). Returns the islands, a message when it gave up, and why each island
+    was added. `fixed` islands (kept for speed) are never pruned."""
+    limit = search.tolerance * search.margin if limit is None else limit
+    islands = dict(start)
+    why: dict[str, str] = {}
+    candidates = sum(1 for e in search.structure.values() if not e.container)
+    last = search.check(islands, sample, limit=limit)
+    while not last.passed and len(search.memo) < MAX_CHECKS:
+        progress.update(f"checks on the {sample.label} batch", len(search.memo),
+                        min(MAX_CHECKS, candidates + 1))
+        move = _next_island(search, sample, islands, last, why, measure, low_max, limit)
+        if isinstance(move, str):
+            return islands, move, why
+        trial = {i: o for i, o in islands.items() if covering(i, {move.target: False}) is None}
+        trial[move.target] = move.out32 or (not move.exact and islands.get(move.target, False))
+        before, last = last, search.check(trial, sample, limit=limit)
+        if move.by_error and not _worth(search, before, last, limit):
+            # the margin is a target, not a cliff: between it and the tolerance, an island
+            # that does not bring the error down by a fifth is not worth its parameters
+            search.settled = worst_error(before) / search.tolerance
+            limit = search.tolerance
+            last = held_to(before, limit)
+            break
+        islands = trial
+        why[move.target] = move.reason
+    if not last.passed:
+        return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks; the "
+                         "islands shown are the best plan tried."), why
+    if not prune:  # islands the batches seen before need stay
+        return islands, "", why
+    return _prune(search, sample, islands, limit, progress, fixed), "", why
+
+
+def _next_island(search: Search, sample: Sample, islands: Islands, last: Check,
+                 why: dict[str, str], measure: Callable[[], list[Sensitivity]],
+                 low_max: float, limit: float) -> Move | str:
+    """The island to add after `last` failed, or why no plan short of fp32 can pass."""
+    structure = search.structure
+    handed = [i for i in last.outputs if why.get(i) == _HANDED]
+    if last.crashed is not None and handed:  # its caller cannot take fp32: move up
+        target, out32 = _climb(structure, search.full(sample),
+                               _runs_above(structure, handed[-1]) or handed[-1], low_max)
+        return Move(target, out32, "an island's fp32 output could not be taken by its caller",
+                     exact=True)
+    culprit = last.first_nonfinite
+    if culprit == OUTSIDE:
+        return _NO_LOSS
+    if culprit is None:
+        return _by_error(islands, last, measure(), limit)
+    return _by_culprit(search, sample, islands, culprit, low_max)
+
+
+def _by_culprit(search: Search, sample: Sample, islands: Islands, culprit: str,
+                low_max: float) -> Move | str:
+    """Where a non-finite value first arose in `culprit`: it becomes an island; an island it
+    is already hands back fp32; an island whose fp32 output overflowed its caller moves up."""
+    structure = search.structure
+    owner = covering(culprit, islands) if culprit else None
+    callers = [i for i, out in islands.items() if out and _runs_above(structure, i) == culprit]
+    if owner is not None and not islands[owner]:
+        return Move(owner, True, _HANDED)
+    if owner is not None or (culprit and callers):
+        target, out32 = _climb(structure, search.full(sample), owner or culprit, low_max)
+        return Move(target, out32, "an island's fp32 output overflowed its caller") \
+            if target else _NO_CALLER
+    return Move(culprit, False, "a non-finite value arose in it") if culprit else _NO_ROOT
+
+
+def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: float
+              ) -> Move | str:
+    """With finite errors too large: the most sensitive module measured alone that no island
+    holds yet."""
+    target = next((s.name for s in table if s.score > 0 and covering(s.name, islands) is None),
+                  None)
+    if target is None:
+        return ("No plan short of the whole model in fp32 meets the tolerance: every module "
+                "measured alone is an island already (or could not be run alone). The errors "
+                "reached: " + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
+    if target == "":
+        return _NO_CALLER
+    grads_only = (last.grad_error is not None and last.grad_error > limit
+                  and last.output_error <= limit
+                  and (last.loss_error is None or last.loss_error <= limit))
+    return Move(target, False, "gradients" if grads_only else "sensitive", by_error=True)
+
+
+def _worth(search: Search, before: Check, after: Check, limit: float) -> bool:
+    """Whether the island that turned `before` into `after` is worth keeping: it passes, or
+    `before` was more than the margin away, or it brings the worst error down by WORTH."""
+    return after.passed or not _within(search, before, limit) or (
+        worst_error(after) <= (1 - WORTH) * worst_error(before))
+
+
+def _within(search: Search, check: Check, limit: float) -> bool:
+    """`check` misses only the margin on the calibration batch: every error finite and within
+    the tolerance."""
+    return limit < search.tolerance and check.finite and check.crashed is None and all(
+        e <= search.tolerance for e in check.errors().values())
+
+
+def _prune(search: Search, sample: Sample, islands: Islands, limit: float,
+           progress: Progress, fixed: frozenset[str]) -> Islands:
+    """Drop each island again, the largest first, while the plan still passes; then hand back
+    in the low dtype where fp32 output is not needed."""
+    order = sorted((i for i in islands if i not in fixed), key=lambda n: -search.sizes.get(n, 0))
+    for i, island in enumerate(order):
+        progress.update("pruning", i, len(order))
+        trial = {k: v for k, v in islands.items() if k != island}
+        if search.check(trial, sample, limit=limit).passed:
+            islands = trial
+    islands = _step_down(search, sample, islands, limit, fixed)
+    for island in [k for k, v in islands.items() if v]:
+        trial = {**islands, island: False}
+        if search.check(trial, sample, limit=limit).passed:
+            islands = trial
+    progress.done()
+    return islands
+
+
+def _children(structure: PrecisionPlan, name: str) -> list[str]:
+    """The modules right under `name` that run their own forward (a container's children
+    stand in for it)."""
+    out: list[str] = []
+    for child in structure:
+        if child and parent_name(child) == name:
+            out += _children(structure, child) if structure[child].container else [child]
+    return out
+
+
+def _step_down(search: Search, sample: Sample, islands: Islands, limit: float,
+               fixed: frozenset[str]) -> Islands:
+    """Replace each island by the smallest of its children that passes in its place, handing
+    back fp32 (so that the island's own code still sees the child's result at full
+    precision), and go on down from it: an MoE layer kept whole because its router's logits
+    need fp32 becomes the router. One check per child tried, the smallest first; an island
+    none of whose children passes alone stays."""
+    for island in [i for i in islands if i not in fixed]:
+        current = island
+        while True:
+            kids = sorted(_children(search.structure, current),
+                          key=lambda n: search.sizes.get(n, 0))
+            rest = {k: v for k, v in islands.items() if k != current}
+            found = next((kid for kid in kids if search.sizes.get(kid, 0) < search.sizes.get(
+                current, 0) and search.check({**rest, kid: True}, sample, limit=limit).passed),
+                None)
+            if found is None:
+                break
+            islands = {**rest, found: True}
+            current = found
+    return islands
+
+
+def verify(search: Search, others: list[Sample], islands: Islands,
+            message: str, why: dict[str, str],
+            measure_on: Callable[[Sample], Callable[[], list[Sensitivity]]],
+            bar: Progress, fixed: frozenset[str], losses: LossFn | None,
+            reference: nn.Module) -> tuple[Islands, str]:
+    """Check the islands on each held-out batch at the tolerance; on a batch where they fail,
+    search again from them on that batch."""
+    low = search.policy.compute
+    assert low is not None
+    for i, batch in enumerate(others):
+        if message:
+            break
+        bar.update("held-out batches", i, len(others))
+        batch.light = run_reference(reference, batch.args, batch.kwargs, losses, batch,
+                                 watch=False)
+        search.runs["fp32"] += 1
+        if search.check(islands, batch, limit=search.tolerance).passed:
+            continue
+        islands, message, more = choose(search, batch, islands, measure_on(batch), bar,
+                                         torch.finfo(low).max, fixed, limit=search.tolerance,
+                                         prune=False)
+        why.update(more)
+    bar.done()
+    return islands, message

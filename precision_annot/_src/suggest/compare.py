@@ -1,0 +1,59 @@
+"""Comparing a run with the fp32 reference: relative error over trees of tensors, peaks, and
+copies that later runs cannot change."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from precision_annot._src.casting import floating_leaves, map_tree
+
+
+def detached(obj: Any) -> Any:
+    """A copy of a call's arguments or outputs that later runs cannot change."""
+    detached = map_tree(obj, lambda t: t.detach().clone())
+    return detached if detached is not obj or not _mutable(obj) else copy.deepcopy(obj)
+
+
+def _mutable(obj: Any) -> bool:
+    return isinstance(obj, (list, dict)) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type))
+
+
+def relative_error(actual: Any, expected: Any) -> float:
+    """||actual - expected|| / ||expected|| over every floating tensor, in float64, where
+    `expected` is finite; inf when `actual` holds a non-finite value `expected` does not hold
+    at the same place (a masked -inf in both is the same result)."""
+    got: list[torch.Tensor] = []
+    want: list[torch.Tensor] = []
+    floating_leaves(actual, got)
+    floating_leaves(expected, want)
+    if len(got) != len(want) or not want:
+        return math.nan
+    diff = norm = 0.0
+    for a, b in zip(got, want, strict=True):
+        a64, b64 = a.detach().double(), b.detach().double()
+        if a64.shape != b64.shape:
+            return math.nan
+        finite = torch.isfinite(b64)
+        if not bool(finite.all()):
+            same = (a64 == b64) | (a64.isnan() & b64.isnan())
+            if not bool(same[~finite].all()):
+                return math.inf
+            a64, b64 = a64[finite], b64[finite]
+        if not bool(torch.isfinite(a64).all()):
+            return math.inf
+        diff += float((a64 - b64).pow(2).sum())
+        norm += float(b64.pow(2).sum())
+    return math.sqrt(diff) / max(math.sqrt(norm), 1e-30)
+
+
+def finite_peak(value: Any) -> float:
+    leaves: list[torch.Tensor] = []
+    floating_leaves(value, leaves)
+    finite = [t[torch.isfinite(t)] for t in leaves]
+    return max((float(t.abs().max()) for t in finite if t.numel()), default=0.0)

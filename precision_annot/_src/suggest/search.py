@@ -1,0 +1,213 @@
+"""`Search`: each candidate plan checked end to end once per batch, the path kept."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import Policy
+from precision_annot._src.runtime import apply
+from precision_annot._src.suggest.compare import relative_error
+from precision_annot._src.suggest.constants import SEED
+from precision_annot._src.suggest.plans import Islands, covering, islands_key, plan_for
+from precision_annot._src.suggest.records import LossFn, Reference, Sample
+from precision_annot._src.suggest.reference import run_reference
+from precision_annot._src.suggest.report import Check
+from precision_annot._src.suggest.watch import Watch
+from precision_annot._src.tracking import ModuleTracker
+
+
+class Search:
+    """The end-to-end checks of one `suggest` call: each plan checked once per sample, the path
+    kept, and the best plan seen."""
+
+    def __init__(self, reference: nn.Module, structure: PrecisionPlan, policy: Policy,
+                 island: Policy, loss_fn: LossFn | None, scale: float, tolerance: float,
+                 margin: float, ties: list[set[str]], sizes: dict[str, int]) -> None:
+        self.reference = reference
+        self.structure = structure
+        self.policy = policy
+        self.island = island
+        self.loss_fn = loss_fn
+        self.scale = scale
+        self.tolerance = tolerance
+        self.margin = margin
+        self.ties = ties
+        self.sizes = sizes
+        self.memo: dict[tuple[Any, ...], Check] = {}
+        self.path: list[Check] = []
+        self.own = {n: {id(p): p.numel() for p in m._parameters.values() if p is not None}
+                    for n, m in reference.named_modules()}
+        self.runs: Counter[str] = Counter()
+        self.watching: str | None = None
+        #: the share of the tolerance the calibration batch settled at, when no island
+        #: brought it to the margin by enough to be worth its parameters (None: it reached it)
+        self.settled: float | None = None
+
+    def held_together(self, islands: Islands) -> Islands:
+        """The islands with every owner of a parameter they share with a module outside: a
+        tie has one dtype, so a plan never stores one tensor in two."""
+        if self.policy.storage == self.island.storage:
+            return islands
+        out = dict(islands)
+        for owners in self.ties:
+            inside = [o for o in owners if covering(o, out) is not None]
+            if inside:
+                for owner in owners:
+                    if covering(owner, out) is None:
+                        out[owner] = False
+        return out
+
+    def full(self, sample: Sample) -> Reference:
+        """The watched reference of `sample`, run once, when a check or a choice needs it."""
+        if sample.ref is None:
+            sample.ref = run_reference(self.reference, copy.deepcopy(sample.args),
+                                    copy.deepcopy(sample.kwargs), self.loss_fn, sample)
+            self.runs["fp32 watched"] += 1
+        return sample.ref
+
+    def fp32_params(self, islands: Islands) -> int:
+        """The parameter elements the islands hold, a shared one counted once."""
+        seen: dict[int, int] = {}
+        for name, own in self.own.items():
+            if covering(name, islands) is not None:
+                seen.update(own)
+        return sum(seen.values())
+
+    def check(self, islands: Islands, sample: Sample, *, limit: float) -> Check:
+        islands = self.held_together(islands)
+        key = (islands_key(islands), sample.label, limit)
+        found = self.memo.get(key) or next(
+            (c for (k, label, _), c in self.memo.items() if k == key[0] and label == key[1]),
+            None)
+        if found is not None:  # the same run held to another limit: its errors stand
+            return found if found.limit == limit else held_to(found, limit)
+        assert sample.light is not None
+        # a run is watched (every op, to find where a non-finite value arises) only when it
+        # fails with one; after one did, the next on the same batch is watched at once
+        result = run_check(self, islands, sample, limit, watch=self.watching == sample.label)
+        if result.first_nonfinite is None and not result.finite and result.crashed is None \
+                and self.watching != sample.label:
+            result = run_check(self, islands, sample, limit, watch=True)  # find where
+        self.watching = sample.label if not result.finite else None
+        self.memo[key] = result
+        self.path.append(result)
+        return result
+
+    def plan(self, islands: Islands, modules: dict[str, nn.Module] | None = None,
+             structure: PrecisionPlan | None = None) -> PrecisionPlan:
+        return plan_for(structure or self.structure, self.policy, islands, modules, self.island)
+
+
+def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
+              watch: bool) -> Check:
+    """Run the plan with `islands` on `sample` (watched: every op, for where a non-finite
+    value first arises) and compare with the fp32 run."""
+    model = copy.deepcopy(search.reference)
+    apply(model, search.plan(islands))
+    search.runs["checks (watched)" if watch else "checks"] += 1
+    tracker = ModuleTracker({m: n for n, m in model.named_modules()})
+    mode = Watch(tracker, baseline=search.full(sample).nonfinite if watch else None)
+    errors: list[float | None] = [math.inf, None, None]  # output, loss, gradients
+    crashed = None
+    try:
+        with (tracker if watch else contextlib.nullcontext()), (
+                mode if watch else contextlib.nullcontext()):
+            _compare(search, model, sample, errors)
+    except RuntimeError as e:  # the plan itself fails (an fp32 output its caller cannot take)
+        crashed = f"{type(e).__name__}: {e}"[:300]
+        errors[0] = math.inf
+        errors[1] = None if errors[1] is None else math.inf
+    output_error, loss_error, grad_error = errors
+    assert output_error is not None
+    passed = all(math.isfinite(e) and e <= limit for e in errors if e is not None)
+    return Check(tuple(islands), tuple(i for i, out in islands.items() if out), output_error,
+                 loss_error, grad_error, mode.first_nonfinite if watch else None, passed,
+                 sample.label, limit, search.fp32_params(islands), crashed)
+
+
+def _compare(search: Search, model: nn.Module, sample: Sample, errors: list[float | None]
+             ) -> None:
+    """One seeded step of `model` on `sample`: the errors of the output, the loss and the
+    gradients against the fp32 run, written into `errors` as they are known (a step that
+    raises part way keeps those already measured)."""
+    ref = sample.light
+    assert ref is not None
+    torch.manual_seed(SEED)
+    output = model(*copy.deepcopy(sample.args), **copy.deepcopy(sample.kwargs))
+    errors[0] = relative_error(output, ref.output)
+    if search.loss_fn is None or ref.loss is None:
+        return
+    loss = search.loss_fn(output, sample)
+    errors[1] = loss_error = relative_error(loss, ref.loss)
+    if not math.isfinite(loss_error):  # a scaler skips this step: no gradients
+        errors[2] = math.inf
+        return
+    grads = _scaled_backward(search, model, loss)
+    shared = [n for n in ref.grads if n in grads]
+    errors[2] = math.inf if len(grads) != len(ref.grads) else relative_error(
+        [grads[n] for n in shared], [ref.grads[n] for n in shared])
+
+
+def held_to(check: Check, limit: float) -> Check:
+    """`check`'s run held to another limit."""
+    errors = check.errors().values()
+    return dataclasses.replace(check, limit=limit, passed=all(
+        math.isfinite(e) and e <= limit for e in errors))
+
+
+def worst_error(check: Check) -> float:
+    return max(check.errors().values())
+
+
+def _scaled_backward(search: Search, model: nn.Module, loss: torch.Tensor
+                     ) -> dict[str, torch.Tensor]:
+    """The gradients as a `GradScaler` training loop gets them: the loss scaled, and while a
+    gradient is non-finite, the scale lowered (by 4x, down to 1) and the backward run again, as
+    the scaler skips the step and backs off; unscaled, in float64. The scale that worked is
+    kept for the next check, as the scaler keeps its scale from step to step."""
+    scale = search.scale
+    while True:
+        retry = scale > 1
+        (loss * scale).backward(retain_graph=retry)  # type: ignore[no-untyped-call]
+        if scale != search.scale:
+            search.runs["backward retries"] += 1
+        grads = {n: p.grad.double() / scale for n, p in model.named_parameters()
+                 if p.grad is not None}
+        if not retry or all(bool(torch.isfinite(g).all()) for g in grads.values()):
+            search.scale = scale
+            return grads
+        model.zero_grad(set_to_none=True)
+        scale = max(1.0, scale / 4)
+
+
+def best_check(search: Search, label: str) -> Check | None:
+    """The passing check with the fewest fp32 parameters (then islands) on `label`'s batch."""
+    passed = [c for c in search.path if c.sample == label and c.passed]
+    return min(passed, key=lambda c: (c.fp32_params, len(c.islands)), default=None)
+
+
+def ties_of(model: nn.Module) -> list[set[str]]:
+    """The modules sharing each shared parameter."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(name)
+    return [o for o in owners.values() if len(o) > 1]
+
+
+def sizes_of(model: nn.Module) -> dict[str, int]:
+    """Each module's parameter elements, children and shared ones counted once."""
+    out: dict[str, int] = {}
+    for name, module in model.named_modules():
+        out[name] = sum(p.numel() for p in module.parameters())
+    return out
