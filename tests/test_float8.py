@@ -424,9 +424,9 @@ def test_mxfp8_refuses_fp16_and_names_a_batch_that_cannot_be_cut_into_blocks() -
     model = nn.Sequential(nn.Linear(64, 64))
     pa.annotate(model, {nn.Linear: "compute=mxfp8"})
     for default in ("16-mixed", "fp16"):
-        with pytest.raises(ValueError, match=r"compute=mxfp8/fp16 on 1 Linear layer\(s\), e\.g\. "
-                                             r"'0': torchao's MX formats quantize from bf16 or "
-                                             r"fp32 only.*compute=fp8 or fp8-rowwise"):
+        with pytest.raises(ValueError, match=r"1 Linear layer\(s\), e\.g\. '0': "
+                                             r"compute=mxfp8/fp16: torchao's MX formats quantize "
+                                             r"from bf16 or fp32 only.*compute=fp8 or fp8-rowwise"):
             pa.resolve(model, default=default)
     plan = pa.resolve(model, default="bf16")
     data = json.loads(plan.to_json())

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from precision_annot._src.dtypes import FP8_RECIPES, dtype_name
 
 __all__ = ["MX_BLOCK", "MX_HIGH", "Converted", "Gemm", "available", "build", "commit", "config",
-           "import_torchao", "mx_compute_error",
+           "import_torchao", "REFUSALS", "Refusal", "refusals",
            "install_hint", "is_fp8_tensor", "plain_class", "prepare_compile", "revert",
            "validate"]
 
@@ -122,13 +122,62 @@ MX_HIGH = (torch.bfloat16, torch.float32)
 MX_BLOCK = 32  # MX scales blocks of 32 elements along every GEMM's inner dimension
 
 
-def mx_compute_error(names: list[str], compute: torch.dtype) -> str:
-    """The message for mxfp8 planned over a compute dtype torchao's MX formats cannot take."""
-    return (f"compute=mxfp8/{dtype_name(compute)} on {len(names)} Linear "
-            f"layer(s), e.g. {names[0] or '(root)'!r}: torchao's MX formats quantize from bf16 "
-            "or fp32 only (fp16 is refused when the first GEMM runs). Run mxfp8 over bf16 "
-            "(default 'bf16-mixed' or 'bf16'), or use compute=fp8 or fp8-rowwise, which take "
-            f"fp16. Modules: {names[:8]}")
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One layout torchao's fp8 conversion cannot take, stated once: `validate` (so apply
+    raises), `resolve` (mxfp8's compute, before a plan exists) and `check` (its finding) all
+    read it from `REFUSALS`, as torchao states each invariant once in its config.
+
+    Attributes:
+        code: the finding's code in `check`.
+        refuses: `refuses(gemm, own_forward)`: the layer's GEMMs cannot run, given its recipe
+            and whether its class overrides nn.Linear's forward.
+        why: what torchao cannot do, for a layer with these GEMMs.
+        fix: the way out, for the first layer's name and its GEMMs.
+    """
+
+    code: str
+    refuses: Callable[[Gemm, bool], bool]
+    why: Callable[[Gemm], str]
+    fix: Callable[[str, Gemm], str]
+
+    def message(self, subject: str, name: str, gemm: Gemm) -> str:
+        """The error: `subject` (the layer or layers), why, and the fix."""
+        return f"{subject}: {self.why(gemm)} {self.fix(name, gemm)}"
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "fp8-linear-subclass", lambda gemm, own_forward: own_forward,
+        lambda gemm: f"planned with fp8 GEMMs (compute={gemm.recipe}), it overrides nn.Linear's "
+        "forward, which torchao's fp8 module would replace, dropping what it does: apply "
+        "refuses it.",
+        lambda name, gemm: f"Keep it out of fp8 (annotate(model, {{{name!r}: 'compute=bf16'}})) "
+        "or make it a plain nn.Linear."),
+    Refusal(
+        "fp8-comm-recipe",
+        lambda gemm, own_forward: gemm.all_gather and gemm.torchao_recipe != "tensorwise",
+        lambda gemm: f"comm=fp8 all-gathers weights in fp8, which torchao does for weights "
+        f"scaled per tensor only (compute=fp8), not with compute={gemm.recipe}: apply refuses "
+        "it.",
+        lambda name, gemm: f"Use compute=fp8 with comm=fp8, or keep compute={gemm.recipe} with "
+        "another comm (bf16)."),
+    Refusal(
+        "fp8-mx-compute",
+        lambda gemm, own_forward: gemm.recipe == "mxfp8" and gemm.compute is not None
+        and gemm.compute not in MX_HIGH,
+        lambda gemm: f"compute=mxfp8/{dtype_name(gemm.compute)}: torchao's MX formats quantize "
+        "from bf16 or fp32 only (fp16 is refused when the first GEMM runs), so resolve and "
+        "apply refuse it.",
+        lambda name, gemm: "Run mxfp8 over bf16 (default 'bf16-mixed' or 'bf16'), or use "
+        "compute=fp8 or fp8-rowwise, which take fp16."),
+)
+
+
+def refusals(gemm: Gemm, own_forward: bool) -> list[Refusal]:
+    """The `REFUSALS` a layer with `gemm` (whose class overrides nn.Linear's forward, or not)
+    runs into."""
+    return [r for r in REFUSALS if r.refuses(gemm, own_forward)]
 
 
 def validate(cls: type[nn.Module], gemm: Gemm, name: str) -> None:
@@ -136,20 +185,10 @@ def validate(cls: type[nn.Module], gemm: Gemm, name: str) -> None:
     if not issubclass(cls, nn.Linear):
         raise TypeError(f"fp8 GEMMs are converted on nn.Linear layers; module {name!r} is "
                         f"{cls.__qualname__}.")
-    if cls.forward is not nn.Linear.forward:
-        raise ValueError(
-            f"Module {name!r} ({cls.__qualname__}) is planned with fp8 GEMMs "
-            f"(compute={gemm.recipe}) but overrides nn.Linear's forward; torchao's fp8 "
-            "module would replace that forward and drop what it does. Keep it out of fp8 "
-            f"(annotate(model, {{{name!r}: 'compute=bf16'}})) or make it a plain nn.Linear.")
+    for refusal in refusals(gemm, cls.forward is not nn.Linear.forward):
+        raise ValueError(refusal.message(f"Module {name!r} ({cls.__qualname__})", name, gemm))
     where = f"Module {name!r} (compute={gemm.recipe})"
-    if gemm.all_gather and gemm.torchao_recipe != "tensorwise":
-        raise ValueError(f"{where}: comm=fp8 all-gathers weights in fp8, which torchao does "
-                         "for weights scaled per tensor only. Use compute=fp8 with comm=fp8, "
-                         f"or keep compute={gemm.recipe} with another comm (bf16).")
     if gemm.recipe == "mxfp8":
-        if gemm.compute is not None and gemm.compute not in MX_HIGH:
-            raise ValueError(mx_compute_error([name], gemm.compute))
         import_torchao("torchao.prototype.moe_training.mxfp8_linear", where)
     else:
         config(gemm, where)

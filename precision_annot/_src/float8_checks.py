@@ -8,7 +8,14 @@ from collections.abc import Callable, Iterator
 from precision_annot._src.dtypes import FP8, dtype_name
 from precision_annot._src.execution import fp8_gemms
 from precision_annot._src.findings import Finding, listing
-from precision_annot._src.float8 import MX_BLOCK, Gemm, available, install_hint
+from precision_annot._src.float8 import (
+    MX_BLOCK,
+    REFUSALS,
+    Gemm,
+    available,
+    install_hint,
+    refusals,
+)
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
 
 __all__ = ["fp8_findings", "too_small"]
@@ -53,21 +60,18 @@ def _unavailable(gemms: dict[str, Gemm]) -> Iterator[Finding]:
 
 
 def _refused(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Finding]:
-    own = [n for n in gemms if plan[n].has("linear-forward")]
-    if own:
-        yield Finding("error", "fp8-linear-subclass", own[0],
-                      f"{listing(own)} subclass nn.Linear with a forward of their own; torchao's "
-                      "fp8 module would replace that forward, so apply refuses them.",
-                      f"annotate(model, {{{own[0]!r}: 'compute=bf16'}}), or make them plain "
-                      "nn.Linear layers.", tuple(own))
-    wrong = [n for n, g in gemms.items() if g.all_gather and g.torchao_recipe != "tensorwise"]
-    if wrong:
-        recipe = gemms[wrong[0]].recipe
-        yield Finding("error", "fp8-comm-recipe", wrong[0],
-                      f"{listing(wrong)} have comm=fp8 with compute={recipe}: torchao all-gathers "
-                      "fp8 weights scaled per tensor only (compute=fp8), so apply refuses them.",
-                      f"Use compute=fp8 with comm=fp8, or keep compute={recipe} with comm=bf16.",
-                      tuple(wrong))
+    """The layers apply refuses, by the rules apply raises from (`float8.REFUSALS`)."""
+    hit: dict[str, list[str]] = {}
+    for name, gemm in gemms.items():
+        for refusal in refusals(gemm, plan[name].has("linear-forward")):
+            hit.setdefault(refusal.code, []).append(name)
+    for refusal in REFUSALS:
+        names = hit.get(refusal.code, [])
+        if names:
+            gemm = gemms[names[0]]
+            yield Finding("error", refusal.code, names[0],
+                          f"{listing(names)}: {refusal.why(gemm)}",
+                          refusal.fix(names[0], gemm), tuple(names))
 
 
 def _linears(plan: PrecisionPlan, gemms: dict[str, Gemm],

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.dtypes import STOCHASTIC, bf16, dtype_name, wider
-from precision_annot._src.float8 import MX_HIGH, mx_compute_error, plain_class
+from precision_annot._src.float8 import Gemm, Refusal, plain_class, refusals
 from precision_annot._src.guards import paused_gc, require_module, warn
 from precision_annot._src.plan import (
     ModuleFacts,
@@ -249,13 +249,16 @@ def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str,
     """An fp8 recipe set on a module itself (by an instance, class or rule annotation) must
     reach a Linear layer: fp8 runs the GEMMs of nn.Linear layers, and nothing else. mxfp8
     must run over a dtype torchao's MX formats take."""
-    mx_bad = [n for n, e in entries.items() if e.policy.gemm == "mxfp8" and isinstance(
-        modules[n], nn.Linear) and e.policy.compute is not None and e.policy.compute not in
-        MX_HIGH]
-    if mx_bad:
-        compute = entries[mx_bad[0]].policy.compute
-        assert compute is not None
-        raise ValueError(mx_compute_error(mx_bad, compute))
+    refused: dict[Refusal, list[tuple[str, Gemm]]] = {}
+    for name, entry in entries.items():  # what no Linear can run, whatever its class
+        if entry.policy.gemm is not None and isinstance(modules[name], nn.Linear):
+            gemm = Gemm(entry.policy.gemm, compute=entry.policy.compute)
+            for refusal in refusals(gemm, own_forward=False):
+                refused.setdefault(refusal, []).append((name, gemm))
+    for refusal, layers in refused.items():
+        name, gemm = layers[0]
+        raise ValueError(refusal.message(
+            f"{len(layers)} Linear layer(s), e.g. {name or '(root)'!r}", name, gemm))
     explicit = [n for n, e in entries.items() if e.sources.get("gemm") in
                 ("instance", "class", "rule")]
     if not explicit:

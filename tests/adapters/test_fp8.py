@@ -404,20 +404,36 @@ def test_audit_reports_an_fp8_weight_whose_gemm_ran_high_outside_its_layer() -> 
 
 
 def test_refusals_check_names_are_the_refusals_apply_makes() -> None:
+    """Each of float8.REFUSALS, made real: apply raises its text and check reports its code
+    with the same text, for every rule in the table."""
+    from precision_annot._src.float8 import REFUSALS, Gemm
+
     class Scaled(nn.Linear):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(x) * 2
 
-    model = nn.Sequential(Scaled(16, 16), nn.Linear(16, 16))
-    pa.annotate(model, {nn.Linear: "compute=fp8"})
-    assert "fp8-linear-subclass" in [f.code for f in pa.check(model) if f.severity == "error"]
-    with pytest.raises(ValueError, match="overrides nn.Linear's forward"):
-        pa.apply(model)
+    subclass = nn.Sequential(Scaled(16, 16), nn.Linear(16, 16))
+    pa.annotate(subclass, {nn.Linear: "compute=fp8"})
     rowwise = nn.Sequential(nn.Linear(16, 16))
     pa.annotate(rowwise, {nn.Linear: "compute=fp8-rowwise,comm=fp8"})
-    assert "fp8-comm-recipe" in [f.code for f in pa.check(rowwise) if f.severity == "error"]
-    with pytest.raises(ValueError, match="tensorwise|per tensor"):
-        pa.apply(rowwise)
+    mx = nn.Sequential(nn.Linear(32, 32))  # mxfp8 over fp16: resolve refuses it, a file does not
+    data = json.loads(pa.resolve(mx, default="bf16").to_json())
+    data["modules"][1]["policy"] = "compute=mxfp8/fp16,storage=bf16,comm=bf16"
+    mx_plan = pa.PrecisionPlan.from_json(json.dumps(data))
+    cases = {"fp8-linear-subclass": (subclass, subclass, Gemm("fp8")),
+             "fp8-comm-recipe": (rowwise, rowwise, Gemm("fp8-rowwise", True)),
+             "fp8-mx-compute": (mx_plan, mx, Gemm("mxfp8", compute=torch.float16))}
+    assert set(cases) == {r.code for r in REFUSALS}
+    for refusal in REFUSALS:
+        subject, model, gemm = cases[refusal.code]
+        why = refusal.why(gemm)
+        found = [f for f in pa.check(subject) if f.code == refusal.code]
+        assert [f.severity for f in found] == ["error"], refusal.code
+        assert why in found[0].message and found[0].fix == refusal.fix(found[0].module, gemm)
+        with pytest.raises(ValueError) as raised:
+            pa.apply(model, mx_plan) if refusal.code == "fp8-mx-compute" else pa.apply(model)
+        assert why in str(raised.value), refusal.code
+        assert all(type(m) in (nn.Sequential, nn.Linear, Scaled) for m in model.modules())
 
 
 def test_fp8_unavailable_is_the_error_apply_raises_without_torchao() -> None:
