@@ -61,7 +61,8 @@ def autocast_context(
     `torch.compile` a context that changes nothing still splits the graph), or when the
     device has no autocast (meta tensors). Under `torch.compile` the state is read at trace
     time and guarded."""
-    if mode is None or not _autocast_available(device_type):
+    if mode is None or not (_AUTOCAST_DEVICES.get(device_type) or _autocast_available(
+            device_type)):
         return None
     enabled = torch.is_autocast_enabled(device_type)
     if mode == "off":
@@ -303,6 +304,12 @@ class BoundarySpec:
             return first
         return self.exit
 
+    @property
+    def simple(self) -> bool:
+        """Nothing kept and nothing checked: a call with one tensor argument can take
+        `Boundary`'s fast path, which runs these same rules without the general cases."""
+        return not (self.check or self.keep_positions or self.keep_names)
+
     def describe(self) -> str:
         parts = [f"compute={dtype_name(self.compute)}", f"autocast={self.mode or 'as caller'}"]
         exit_to = "input dtype" if self.exit_to_input else dtype_name(self.exit)
@@ -405,13 +412,18 @@ class Boundary:
     ) -> None:
         self.module = module
         self.inner = inner
-        self.owner = owner
-        self.guard = guard
-        self.marks = guard or top
         self.exclusive = exclusive
+        self.attach(owner, guard=guard, top=top)
         self.configure(spec, region, planned, swap)
         self._warned: set[str] = set()
         self.__qualname__ = getattr(self._target(), "__qualname__", "forward")
+
+    def attach(self, owner: object | None, *, guard: bool, top: bool) -> None:
+        """Set the model it belongs to and its place there: an entry guard, or a boundary
+        with none above it (`top`), marks that model's forward as running."""
+        self.owner = owner
+        self.guard = guard
+        self.marks = guard or top
 
     def configure(self, spec: BoundarySpec | None, region: Region | None,
                   planned: tuple[Planned, ...], swap: Region | None = None) -> None:
@@ -420,16 +432,10 @@ class Boundary:
         self.region = region
         self.swap = swap if swap is not None else region
         self.planned = planned
-        # What the fast path reads, decided here once: one tensor argument, nothing kept,
-        # nothing checked, no parameter to cast.
-        self.fast = (spec is not None and region is None and not spec.check
-                     and not spec.keep_positions and not spec.keep_names)
+        # decided here once: the spec allows the fast path, and no parameter is cast
+        self.fast = spec is not None and spec.simple and region is None
         self._direct = self._run if self.inner is not None else functools.partial(
             type(self.module).forward, self.module)
-        self._compute = None if spec is None else spec.compute
-        self._mode = None if spec is None else spec.mode
-        self._exit = None if spec is None else spec.exit
-        self._to_input = spec is not None and spec.exit_to_input
 
     @property
     def active(self) -> bool:
@@ -524,40 +530,32 @@ class Boundary:
         x = args[0]
         if not isinstance(x, torch.Tensor):
             return self._call(args, kwargs, spec)
-        # The fast path: one tensor in. Every check here is one that costs well under a
-        # microsecond; a cast to the dtype a tensor has is skipped.
-        source = x.dtype
-        compute = self._compute
-        cast = None
-        if compute is not None and source != compute and x.is_floating_point():
-            x = cast = x.to(compute)
-        mode = self._mode
+        # The fast path: one tensor in, the same rules as `_call` with the general cases
+        # taken out: the autocast state from autocast_context, the exit dtype from
+        # spec.target; the two casts are cast_tree's tensor case written out (calling it
+        # twice per crossing cost 0.04 more on benchmarks/overhead.py's chain).
+        compute = spec.compute
+        cast = x.to(compute) if (compute is not None and x.dtype != compute
+                                 and x.is_floating_point()) else x
         device = "cpu" if x.is_cpu else x.device.type
-        run = self._direct  # the class's forward, bound once: one Python frame fewer
+        context = None if spec.mode is None else autocast_context(spec.mode, device, compute)
         try:
-            if mode is None or not (_AUTOCAST_DEVICES.get(device) or _autocast_available(
-                    device)) or (mode == "off" and not torch.is_autocast_enabled(device)):
-                out = run(x)
+            if context is None:
+                out = self._direct(cast)  # the class's forward, bound once
             else:
-                context = autocast_context(mode, device, compute)
-                if context is None:
-                    out = run(x)
-                else:
-                    with context:
-                        out = run(x)
+                with context:
+                    out = self._direct(cast)
         except RuntimeError as e:
             self._explain(e)
             raise
-        if cast is not None:
+        if cast is not x:
             try:
                 modified = cast._version > 0
             except RuntimeError:  # an inference tensor has no version counter
                 modified = False
             if modified:
                 self._warn_modified("argument 0")
-        # spec.target, inlined on the fast path: a call costs as much as the rest of this line
-        target = (source if source.is_floating_point else None) if self._to_input else (
-            self._exit)
+        target = spec.target(x.dtype if x.is_floating_point() else None)
         if isinstance(out, torch.Tensor):
             if target is not None and out.dtype != target and out.is_floating_point():
                 return out.to(target)

@@ -225,8 +225,7 @@ class ModuleState:
             swap = site.swap if site.guard else site.region
             if buried is not None and not direct:  # another library wrapped our forward
                 buried.configure(site.spec, site.region, site.planned, swap)
-                buried.owner, buried.guard = owner, site.guard
-                buried.marks = site.guard or site.top
+                buried.attach(owner, guard=site.guard, top=site.top)
                 self.boundary = buried
             else:
                 self.boundary = Boundary(module, site.spec, inner=d.get("forward"),
