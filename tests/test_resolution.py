@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import precision_annot as pa
 from precision_annot import (
     Policy,
     PrecisionPlan,
@@ -182,3 +183,20 @@ class RegionUser(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return half_softmax(self.fp32_scores(self.lin(x)))
+
+
+def test_keep_dtype_on_a_container_is_said_to_keep_nothing_when_resolved() -> None:
+    blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    pa.precision("fp32", keep_dtype=("cache",))(blocks)
+    model = nn.Sequential()
+    model.blocks = blocks
+    with pytest.warns(UserWarning, match=r"keep_dtype=\('cache',\) on 'blocks' is ignored: "
+                                         r"ModuleList has no forward of its own") as caught:
+        plan = pa.resolve(model, default="bf16")
+    assert caught[0].filename == __file__  # pointed at the caller's line
+    assert plan["blocks"].keep_dtype == ("cache",) and plan["blocks"].container
+    plain = nn.Sequential(nn.Linear(4, 4))
+    pa.precision("fp32", keep_dtype=("x",))(plain[0])  # a module that runs: kept, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pa.resolve(plain, default="bf16")

@@ -11,7 +11,6 @@ and `audit` compares what ran against it, so a runtime rule changed here changes
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -129,40 +128,58 @@ def forward_of(module: nn.Module) -> tuple[Callable[..., Any], bool]:
 def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
                  check: bool = False) -> Execution:
     """What runs at every module of the model `named` (`dict(model.named_modules())`) under
-    `plan`, whose entries it must match (see `runtime.check_matches`). Linear in the modules."""
+    `plan`, whose entries it must match (see `runtime.check_matches`). Linear in the modules:
+    four passes, each over the modules once (targets, boundaries, entry guards, reprs)."""
     targets = _targets(plan, named)
     boundaries = set(plan.boundaries)
     owner = nearest(named, boundaries | ({""} if check and not plan.root.container else set()))
+    sites, casting = _boundary_sites(plan, named, owner, targets, check)
+    _add_guards(plan, named, owner, sites)
+    return Execution(targets, sites, casting, _reprs(plan), check, fp8_gemms(plan, named))
+
+
+def _boundary_sites(plan: PrecisionPlan, named: Mapping[str, nn.Module],
+                    owner: Mapping[str, str | None], targets: Mapping[Key, Target], check: bool
+                    ) -> tuple[dict[str, Site], dict[tuple[str, Kind], tuple[Region,
+                                                                           frozenset[str]]]]:
+    """Each boundary's site (the modules it runs: those whose nearest boundary it is), and
+    the parameter dicts its region casts."""
     members: dict[str, list[str]] = {}
     for name in named:
-        if owner[name] is not None:
-            members.setdefault(owner[name], []).append(name)  # type: ignore[arg-type]
+        boundary = owner[name]
+        if boundary is not None:
+            members.setdefault(boundary, []).append(name)
     sites: dict[str, Site] = {}
     casting: dict[tuple[str, Kind], tuple[Region, frozenset[str]]] = {}
     above = nearest(named, {n for n in members if n})  # the nearest boundary at or above
     for name, names in members.items():
         site = _boundary_site(plan, named, name, names, targets, check)
-        if (name and above[parent_name(name)] is not None) or (name and "" in members):
+        if name and (above[parent_name(name)] is not None or "" in members):
             site = dataclasses.replace(site, top=False)
         sites[name] = site
         if site.region is not None:
             _casting_dicts(site.region, name, named, casting)
+    return sites, casting
+
+
+def _add_guards(plan: PrecisionPlan, named: Mapping[str, nn.Module],
+                owner: Mapping[str, str | None], sites: dict[str, Site]) -> None:
+    """An entry guard on each module inside a boundary that can be called on its own."""
     for name, entry in plan.items():
-        if entry.container and entry.keep_dtype:
-            warnings.warn(f"keep_dtype={entry.keep_dtype} on {name or '(root)'!r} is ignored: "
-                          f"{type(named[name]).__name__} has no forward of its own, so nothing "
-                          "passes through it.", UserWarning, stacklevel=4)
         boundary = owner[name]
         if boundary is not None and name not in sites and _callable_alone(entry, named[name]):
             guard = _guard_site(entry, named[name], boundary, sites[boundary])
             if guard is not None:
                 sites[name] = guard
+
+
+def _reprs(plan: PrecisionPlan) -> dict[str, str]:
+    """What `print(model)` shows after each annotated module's own text ("*": a boundary)."""
     texts: dict[Policy, str] = {}  # a few distinct policies among many modules
-    reprs = {name: (texts.get(entry.policy) or texts.setdefault(entry.policy,
-                                                                str(entry.policy)))
-             + ("*" if entry.boundary else "")
-             for name, entry in plan.items() if not entry.policy.is_empty()}
-    return Execution(targets, sites, casting, reprs, check, fp8_gemms(plan, named))
+    return {name: (texts.get(entry.policy) or texts.setdefault(entry.policy,
+                                                               str(entry.policy)))
+            + ("*" if entry.boundary else "")
+            for name, entry in plan.items() if not entry.policy.is_empty()}
 
 
 def fp8_gemms(plan: PrecisionPlan, named: Mapping[str, nn.Module] | None = None

@@ -141,6 +141,7 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
         modules[name] = module
     if fallback is not None:
         _warn_if_default_unused(fallback, entries[""])
+    _warn_if_keep_unused(entries)
     _require_linear_under_fp8(entries, modules)
     _require_update_fields(entries)
     return PrecisionPlan(
@@ -353,6 +354,16 @@ def _require_same(first: _Path, again: _Path, *, runs: bool) -> None:
         f"parents), and the two paths resolve it differently: {say(first, one)}; "
         f"{say(again, two)}. One module runs with one policy: {fix}, or use two modules."
     )
+
+
+def _warn_if_keep_unused(entries: dict[str, ModulePlan]) -> None:
+    """keep_dtype on a container (ModuleList, ModuleDict) keeps nothing: no call passes
+    through a module with no forward of its own."""
+    for name, entry in entries.items():
+        if entry.container and entry.keep_dtype:
+            warn(f"keep_dtype={entry.keep_dtype} on {name or '(root)'!r} is ignored: "
+                 f"{entry.type.rsplit('.', 1)[-1]} has no forward of its own, so nothing "
+                 "passes through it.")
 
 
 def _warn_if_default_unused(fallback: Policy, root: ModulePlan) -> None:
