@@ -257,78 +257,95 @@ class ModulePlan:
     @classmethod
     def from_dict(cls, data: object, where: str = "entry") -> ModulePlan:
         """Read one entry of `to_json`; a malformed entry raises `ValueError` naming the key."""
+        read = _EntryReader(data, where)
+        by_dtype = read.counts("param_dtype_bytes")
+        numel = read.counts("numel") if "numel" in read.data else {  # written before "numel"
+            d: n // d.itemsize for d, n in by_dtype.items()}
+        facts = read.data.get("facts")
+        entry = cls(name=read.name, type=read.get("type"),
+                    policy=read.policy("'policy'", read.get("policy")),
+                    sources=read.sources(), keep_dtype=read.keep(),
+                    container=read.get("container"), numel=numel,
+                    regions={fn: read.policy(f"'regions'[{fn!r}]", text)
+                             for fn, text in read.get("regions").items()},
+                    facts=None if facts is None else ModuleFacts.from_dict(
+                        facts, f"{read.where}: 'facts'"))
+        read.get("boundary")  # derived from the policies; only its type is checked
+        params, param_bytes = read.get("params"), read.get("param_bytes")
+        if sum(by_dtype.values()) != param_bytes:
+            raise ValueError(f"{read.where}: 'param_bytes' ({param_bytes}) is not the sum of "
+                             f"'param_dtype_bytes' ({sum(by_dtype.values())}).")
+        if entry.param_dtype_bytes != by_dtype or entry.params != params:
+            raise ValueError(
+                f"{read.where}: 'numel' ({_show(numel)}) under storage "
+                f"{dtype_name(entry.policy.storage)} gives {entry.params} parameters in "
+                f"{_show(entry.param_dtype_bytes)} bytes, but the entry says {params} "
+                f"in {_show(by_dtype)}.")
+        return entry
+
+
+#: the keys of a plan file's entry: their JSON type, and the value when absent (None:
+#: required); "facts" and "name" are read on their own
+_ENTRY_KEYS: dict[str, tuple[type, Any]] = {
+    "type": (str, None), "policy": (str, None), "sources": (dict, {}), "keep_dtype": (list, []),
+    "container": (bool, False), "boundary": (bool, False), "params": (int, 0),
+    "param_bytes": (int, 0), "param_dtype_bytes": (dict, {}), "numel": (dict, {}),
+    "regions": (dict, {}),
+}
+
+
+class _EntryReader:
+    """One entry of a plan file, read by `_ENTRY_KEYS`: each value's type checked, each error
+    naming the entry and the key."""
+
+    def __init__(self, data: object, where: str) -> None:
         if not isinstance(data, dict):
             raise ValueError(f"{where} must be an object. Received: {data!r}")
         name = data.get("name")
         if not isinstance(name, str):
             raise ValueError(f"{where}: 'name' must be a string. Received: name={name!r}")
-        where = f"{where} ({name or '(root)'!r})"
+        self.data: dict[str, Any] = data
+        self.name = name
+        self.where = f"{where} ({name or '(root)'!r})"
 
-        def get(key: str, kind: type | tuple[type, ...], default: Any) -> Any:
-            value = data.get(key, default)
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise ValueError(
-                    f"{where}: {key!r} must be of type "
-                    f"{getattr(kind, '__name__', kind)}. Received: {key}={value!r}"
-                )
-            return value
+    def get(self, key: str) -> Any:
+        kind, default = _ENTRY_KEYS[key]
+        value = self.data.get(key, default)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{self.where}: {key!r} must be of type {kind.__name__}. "
+                             f"Received: {key}={value!r}")
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"{self.where}: {key!r} must be a count >= 0. Received: {value!r}")
+        return value
 
-        def policy_of(text: object, key: str) -> Policy:
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: {key} must be of type str. Received: {text!r}")
-            try:
-                return Policy.parse(text)
-            except ValueError as e:
-                raise ValueError(f"{where}: {key} is not a policy: {e}") from e
+    def policy(self, label: str, text: object) -> Policy:
+        if not isinstance(text, str):
+            raise ValueError(f"{self.where}: {label} must be of type str. Received: {text!r}")
+        try:
+            return Policy.parse(text)
+        except ValueError as e:
+            raise ValueError(f"{self.where}: {label} is not a policy: {e}") from e
 
-        type_name = get("type", str, None)
-        policy = policy_of(get("policy", str, None), "'policy'")
-        raw_sources = get("sources", dict, {})
-        sources: dict[str, Source | None] = {}
-        for field in (*FIELDS, *(("gemm",) if "gemm" in raw_sources else ())):
-            value = raw_sources.get(field)
+    def sources(self) -> dict[str, Source | None]:
+        raw = self.get("sources")
+        out: dict[str, Source | None] = {}
+        for field in (*FIELDS, *(("gemm",) if "gemm" in raw else ())):
+            value = raw.get(field)
             if value is not None and value not in SOURCES:
-                raise ValueError(
-                    f"{where}: 'sources' has {field}={value!r}; valid sources: "
-                    f"{', '.join(sorted(SOURCES))} or null"
-                )
-            sources[field] = value
-        keep = get("keep_dtype", list, [])
+                raise ValueError(f"{self.where}: 'sources' has {field}={value!r}; valid "
+                                 f"sources: {', '.join(sorted(SOURCES))} or null")
+            out[field] = value
+        return out
+
+    def keep(self) -> tuple[str | int, ...]:
+        keep = self.get("keep_dtype")
         if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keep):
-            raise ValueError(
-                f"{where}: 'keep_dtype' must list argument names or positions. "
-                f"Received: keep_dtype={keep!r}"
-            )
-        get("boundary", bool, False)  # derived from the policies; only its type is checked
-        counts = {key: get(key, int, 0) for key in ("params", "param_bytes")}
-        for key, value in counts.items():
-            if value < 0:
-                raise ValueError(f"{where}: {key!r} must be a count >= 0. Received: {value!r}")
-        by_dtype = _counts(get("param_dtype_bytes", dict, {}), where, "param_dtype_bytes")
-        if sum(by_dtype.values()) != counts["param_bytes"]:
-            raise ValueError(
-                f"{where}: 'param_bytes' ({counts['param_bytes']}) is not the sum of "
-                f"'param_dtype_bytes' ({sum(by_dtype.values())})."
-            )
-        if "numel" in data:
-            numel = _counts(get("numel", dict, {}), where, "numel")
-        else:  # written before "numel" was
-            numel = {d: n // d.itemsize for d, n in by_dtype.items()}
-        regions = {fn: policy_of(text, f"'regions'[{fn!r}]")
-                   for fn, text in get("regions", dict, {}).items()}
-        facts = (ModuleFacts.from_dict(data["facts"], f"{where}: 'facts'")
-                 if data.get("facts") is not None else None)
-        entry = cls(name=name, type=type_name, policy=policy, sources=sources,
-                    keep_dtype=tuple(keep), container=get("container", bool, False),
-                    numel=numel, regions=regions, facts=facts)
-        if entry.param_dtype_bytes != by_dtype or entry.params != counts["params"]:
-            raise ValueError(
-                f"{where}: 'numel' ({_show(numel)}) under storage "
-                f"{dtype_name(policy.storage)} gives {entry.params} parameters in "
-                f"{_show(entry.param_dtype_bytes)} bytes, but the entry says {counts['params']} "
-                f"in {_show(by_dtype)}."
-            )
-        return entry
+            raise ValueError(f"{self.where}: 'keep_dtype' must list argument names or "
+                             f"positions. Received: keep_dtype={keep!r}")
+        return tuple(keep)
+
+    def counts(self, key: str) -> dict[torch.dtype, int]:
+        return _counts(self.get(key), self.where, key)
 
 
 def _show(counts: Mapping[torch.dtype, int]) -> str:
