@@ -50,8 +50,19 @@ def unit_names(
     the dtype the unit around it is stored in, joins that unit instead: fewer collectives, but
     the unit is then gathered in the widest compute dtype among its members.
     """
+    chosen = _plan_units(plan)
+    selected = _selected_units(model, units)
+    chosen |= selected
+    if merge_below is not None:
+        _merge_small(plan, chosen, selected, merge_below)
+    order = [n for n in plan if n in chosen]
+    return sorted(order, key=lambda n: -(n.count(".") + 1 if n else 0))
+
+
+def _plan_units(plan: PrecisionPlan) -> set[str]:
+    """The units the plan needs: the root, every boundary, every change of storage, and
+    every change of comm on a module that holds parameters."""
     chosen = {""}
-    selected: set[str] = set()
     for name, entry in plan.items():
         if not name:
             continue
@@ -59,43 +70,54 @@ def unit_names(
         if (entry.boundary or entry.policy.storage != parent.policy.storage
                 or (entry.policy.comm != parent.policy.comm and entry.params)):
             chosen.add(name)
-    if units is not None:
-        if model is None:
-            raise ValueError("unit_names: selecting units needs the model.")
-        named = list(model.named_modules())
-        for selector in units:
-            match = matcher(selector)
-            hits = match.select(named, rule=f"fully_shard: units selector {match.label}")
-            if not hits:
-                raise ValueError(match.no_match(named, "fully_shard: units"))
-            selected.update(n for n, _ in hits)
-    chosen |= selected
-    if merge_below is not None:
-        if (not isinstance(merge_below, (int, float)) or isinstance(merge_below, bool)
-                or not 0 < merge_below < 1):
-            raise ValueError(f"merge_below is a share of the parameters, between 0 and 1. "
-                             f"Received: merge_below={merge_below!r} (of type "
-                             f"{type(merge_below).__name__}); e.g. merge_below=0.01")
-        total = sum(e.params for e in plan.values()) or 1
-        owner_of = nearest(plan, chosen)
-        held: dict[str, int] = {}
-        stored: dict[str, set[str]] = {}
-        for n, e in plan.items():  # what each unit holds, and in which dtypes
-            unit = owner_of[n] or ""
-            held[unit] = held.get(unit, 0) + e.params
-            stored.setdefault(unit, set()).update(
-                dtype_name(k) for k, b in e.param_dtype_bytes.items() if b)
-        for name in sorted(chosen - selected - {""}, key=lambda n: -n.count(".")):
-            owner = parent_name(name)
-            while owner not in chosen:
-                owner = parent_name(owner)
-            together = stored.get(name, set()) | stored.get(owner, set())
-            if held.get(name, 0) < merge_below * total and len(together) <= 1:
-                chosen.discard(name)  # one dtype still: FSDP can flatten the merged unit
-                held[owner] = held.get(owner, 0) + held.pop(name, 0)
-                stored[owner] = together
-    order = [n for n in plan if n in chosen]
-    return sorted(order, key=lambda n: -(n.count(".") + 1 if n else 0))
+    return chosen
+
+
+def _selected_units(model: nn.Module | None, units: Iterable[Selector] | None) -> set[str]:
+    """The modules the user's `units` selectors pick; each selector must pick one."""
+    if units is None:
+        return set()
+    if model is None:
+        raise ValueError("unit_names: selecting units needs the model.")
+    named = list(model.named_modules())
+    selected: set[str] = set()
+    for selector in units:
+        match = matcher(selector)
+        hits = match.select(named, rule=f"fully_shard: units selector {match.label}")
+        if not hits:
+            raise ValueError(match.no_match(named, "fully_shard: units"))
+        selected.update(n for n, _ in hits)
+    return selected
+
+
+def _merge_small(plan: PrecisionPlan, chosen: set[str], selected: set[str],
+                 merge_below: float) -> None:
+    """Fold each unit the plan chose that holds under `merge_below` of the parameters into
+    the unit around it, innermost first, while the two hold one storage dtype together
+    (FSDP flattens one dtype per unit). Units the user selected stay."""
+    if (not isinstance(merge_below, (int, float)) or isinstance(merge_below, bool)
+            or not 0 < merge_below < 1):
+        raise ValueError(f"merge_below is a share of the parameters, between 0 and 1. "
+                         f"Received: merge_below={merge_below!r} (of type "
+                         f"{type(merge_below).__name__}); e.g. merge_below=0.01")
+    total = sum(e.params for e in plan.values()) or 1
+    owner_of = nearest(plan, chosen)
+    held: dict[str, int] = {}
+    stored: dict[str, set[str]] = {}
+    for n, e in plan.items():  # what each unit holds, and in which dtypes
+        unit = owner_of[n] or ""
+        held[unit] = held.get(unit, 0) + e.params
+        stored.setdefault(unit, set()).update(
+            dtype_name(k) for k, b in e.param_dtype_bytes.items() if b)
+    for name in sorted(chosen - selected - {""}, key=lambda n: -n.count(".")):
+        owner = parent_name(name)
+        while owner not in chosen:
+            owner = parent_name(owner)
+        together = stored.get(name, set()) | stored.get(owner, set())
+        if held.get(name, 0) < merge_below * total and len(together) <= 1:
+            chosen.discard(name)  # one dtype still: FSDP can flatten the merged unit
+            held[owner] = held.get(owner, 0) + held.pop(name, 0)
+            stored[owner] = together
 
 
 @dataclasses.dataclass(frozen=True)
