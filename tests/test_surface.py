@@ -87,3 +87,29 @@ def test_the_package_imports_form_no_cycle_and_no_private_name_crosses_modules()
     for name in core - {"precision_annot._src.cli", "precision_annot._src.demo_runner",
                         "precision_annot._src.checking"}:
         assert not {d for d in graph[name] if d.startswith("precision_annot.adapters")}, name
+
+
+def test_an_import_of_the_package_inside_a_function_says_why_it_is_deferred() -> None:
+    """Imports of the package's own modules sit at the top of a module, except those that
+    defer an optional backend or break a cycle, each with a comment saying so."""
+    import ast
+    from pathlib import Path
+
+    root = Path(precision_annot.__file__).parent
+    unexplained = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for inner in ast.walk(node):
+                own = (isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith(
+                    "precision_annot")) or (isinstance(inner, ast.Import) and any(
+                        a.name.startswith("precision_annot") for a in inner.names))
+                if not own:
+                    continue
+                said = " ".join(lines[max(0, inner.lineno - 3):inner.lineno])  # a block of two
+                if "deferred" not in said and "cycle" not in said:
+                    unexplained.append(f"{path.relative_to(root)}:{inner.lineno}")
+    assert unexplained == []

@@ -20,7 +20,7 @@ from precision_annot._src.findings import SEVERITIES, Finding, listing, numerics
 from precision_annot._src.float8_checks import fp8_findings
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import UPDATE_FIELDS
-from precision_annot._src.runtime import subject
+from precision_annot._src.runtime import applied_plan, subject
 
 __all__ = ["BACKENDS", "check"]
 
@@ -68,7 +68,7 @@ def _local(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | No
 
 def _deepspeed(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
                options: Any) -> Checked:
-    from precision_annot.adapters import deepspeed
+    from precision_annot.adapters import deepspeed  # deferred: only the backend asked about
 
     found = deepspeed.findings(plan, options)
     if deepspeed.refused(found):
@@ -82,7 +82,7 @@ def _deepspeed(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module 
 def _fsdp(backend: str) -> Checker:
     def run(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
             options: Any) -> Checked:
-        from precision_annot.adapters import fsdp
+        from precision_annot.adapters import fsdp  # deferred: only the backend asked about
 
         options = {k: v for k, v in (options or {}).items()
                    if k not in ("grad_scaler", "optimizer")}
@@ -103,7 +103,7 @@ def _fsdp(backend: str) -> Checker:
 
 def _ddp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
          options: Any) -> Checked:
-    from precision_annot.adapters import ddp
+    from precision_annot.adapters import ddp  # deferred: only the backend asked about
 
     options = {k: v for k, v in (options or {}).items() if k not in ("grad_scaler", "optimizer")}
     ddp_model = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
@@ -112,6 +112,7 @@ def _ddp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None
 
 def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
                options: Any) -> Checked:
+    # deferred: Lightning is an optional extra, imported only when it is the backend asked about
     from precision_annot.adapters.lightning.checks import findings, reduced
 
     return (findings(plan, options, applied=model is not None and _applied(model)),
@@ -119,8 +120,6 @@ def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module 
 
 
 def _applied(model: nn.Module) -> bool:
-    from precision_annot._src.runtime import applied_plan
-
     return applied_plan(model) is not None
 
 

@@ -20,11 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.checking import BACKENDS
+from precision_annot._src.auditing import audit
+from precision_annot._src.checking import BACKENDS, check
+from precision_annot._src.diffing import diff
+from precision_annot._src.findings import SEVERITIES
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import as_policy
 from precision_annot._src.resolution import resolve
+from precision_annot._src.runtime import apply
+from precision_annot._src.samples import step
+from precision_annot._src.suggest import suggest
 from precision_annot._src.version import VERSION
+from precision_annot._src.watching import plot, report
 
 __all__ = ["main"]
 
@@ -119,6 +126,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    # deferred: the core reaches an adapter only for the backend asked about
     from precision_annot.adapters import deepspeed as ds_adapter
 
     plan = _plan(args)
@@ -143,10 +151,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
-    from precision_annot._src.auditing import audit
-    from precision_annot._src.runtime import apply
-    from precision_annot._src.samples import step
-
     model = load_target(args.target)
     try:
         default = None if args.default is None else as_policy(args.default, argument="--default")
@@ -177,8 +181,6 @@ def _loss(args: argparse.Namespace, shape: str) -> Any:
 
 
 def _cmd_suggest(args: argparse.Namespace) -> int:
-    from precision_annot._src.suggest import suggest
-
     model = load_target(args.target)
     sample = load_object(args.sample)
     loss_fn = _loss(args, "output -> loss")
@@ -205,9 +207,6 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from precision_annot._src.diffing import diff  # NOTE: deferred: the CLI loads what it runs
-    from precision_annot._src.runtime import apply
-
     model = load_target(args.target)
     if args.default is not None:
         try:
@@ -225,8 +224,6 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 
 
 def _cmd_watch_report(args: argparse.Namespace) -> int:
-    from precision_annot._src.watching import plot, report
-
     path = Path(args.path)
     if not path.is_file():
         raise CLIError(f"watch-report: no file at {args.path!r}.")
@@ -267,16 +264,11 @@ def _check_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from precision_annot._src.checking import check
-    from precision_annot._src.findings import SEVERITIES
-
     config = _check_config(args)
     target: Any
     if isinstance(config, dict) and "units" in config and ":" in args.target:
         target = load_target(args.target)  # units select modules: check the model itself
         if args.default is not None:
-            from precision_annot._src.runtime import apply
-
             try:
                 apply(target, default=args.default)
             except (TypeError, ValueError) as e:
@@ -300,6 +292,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    # deferred: the demo loads Lightning (seconds to import), which no other command needs
     from precision_annot._src.demo_runner import run_demo
 
     return run_demo(fast=args.fast, out=args.out)

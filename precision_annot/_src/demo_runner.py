@@ -32,6 +32,7 @@ from torch import nn
 
 from precision_annot._src import float8
 from precision_annot._src.annotation import annotate
+from precision_annot._src.auditing import audit
 from precision_annot._src.checking import check
 from precision_annot._src.demo_model import Norm, TinyTransformer, build_model
 from precision_annot._src.plan import PrecisionPlan
@@ -92,6 +93,7 @@ def _fit(model: nn.Module, plugins: list[Any], steps: int, label: str) -> tuple[
 
 
 def run_demo(*, fast: bool = False, out: str | Path = "demo-output") -> int:
+    # deferred: optional backends (the lightning extra), loaded when the demo runs
     from precision_annot.adapters import deepspeed as ds_adapter
     from precision_annot.adapters.lightning import AnnotatedPrecision
 
@@ -250,9 +252,6 @@ def check_demo(plan: PrecisionPlan) -> None:
 
 def fp8_demo(steps: int) -> None:
     """Section 9: fp8 GEMMs with bf16 islands against bf16, in training, `steps` steps."""
-    from precision_annot._src import float8
-    from precision_annot._src.auditing import audit
-
     print("\n9. fp8 GEMMs per module: annotate(model, {nn.Linear: 'compute=fp8-rowwise',")
     print("   'head': 'compute=bf16'}) over bf16-mixed: every Linear but the head runs its")
     print("   GEMMs in fp8 (torchao); norms, attention and the head in bf16; fp32 masters.")

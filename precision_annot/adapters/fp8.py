@@ -28,6 +28,7 @@ from precision_annot._src.findings import listing
 from precision_annot._src.float8 import Gemm, config, plain_class
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.runtime import applied_plan, subject
+from precision_annot.adapters.transformers import router_names
 
 __all__ = ["BackendSettings", "ao_recipe_kwargs", "float8_config", "megatron_args",
            "module_filter", "te_settings"]
@@ -183,8 +184,6 @@ def megatron_args(model: nn.Module, plan: PrecisionPlan | None = None) -> Backen
         if recipe not in _MEGATRON_RECIPES:
             unexpressed.append(f"compute={recipe}: Megatron has no row-wise scaling; "
                                "'blockwise' (1x128 / 128x128 blocks) is the nearest")
-    from precision_annot.adapters.transformers import router_names
-
     all_routers = router_names(named)
     _, layers = _layers(named)
     in_layers = {n for layer in layers for n in _linears_under(named, layer)}

@@ -18,6 +18,7 @@ from torch import nn
 
 from precision_annot._src.dtypes import dtype_name, widest
 from precision_annot._src.findings import Finding, drift, listing
+from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan, nearest, parent_name
 from precision_annot._src.runtime import apply, plan_of
@@ -295,8 +296,6 @@ def precompute_float8_scales(model: nn.Module) -> None:
         >>> # loss.backward(); optimizer.step()
         >>> # fsdp.precompute_float8_scales(model)
     """
-    from precision_annot._src.float8 import import_torchao
-
     fsdp_utils = import_torchao("torchao.float8.fsdp_utils", "precompute_float8_scales")
     fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(unwrap(model))
 

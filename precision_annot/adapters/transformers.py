@@ -32,11 +32,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from precision_annot._src.annotation import annotate
 from precision_annot._src.dtypes import FP8_RECIPES, dtype_name, fp16, fp32, to_dtype, wider
 from precision_annot._src.float8 import plain_class
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.watching import watch as make_watch
 
 __all__ = ["FP8Linear", "HFKeepInFP32", "fp8_rules", "from_pretrained", "keep_in_fp32_patterns",
            "router_names", "rules", "save_pretrained", "units", "watch_callback"]
@@ -302,8 +304,6 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
     """
     from transformers import TrainerCallback
 
-    from precision_annot._src.watching import watch as make_watch
-
     class WatchCallback(TrainerCallback):
         def __init__(self) -> None:
             self.watch: Any = None
@@ -405,8 +405,6 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
     if plan is None and saved.is_file():
         plan = PrecisionPlan.from_json(saved.read_text())
     if plan is None:
-        from precision_annot._src.annotation import annotate
-
         annotate(model, rules(model), strict=False)
         plan = resolve(model)
     loaded = {n: t.dtype for n, t in _named_tensors(model)}

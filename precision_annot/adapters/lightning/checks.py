@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import (
 from precision_annot._src.findings import Finding, drift, drifts
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import PRESETS
+from precision_annot.adapters import ddp, deepspeed, fsdp
 from precision_annot.adapters.lightning.base import PlanPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
 
@@ -189,8 +190,6 @@ def _both_precisions(config: Mapping[str, Any], plugins: list[Any],
 
 def _fsdp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
           cpu: str | None) -> list[Finding]:
-    from precision_annot.adapters import fsdp
-
     out = []
     if not any(isinstance(p, AnnotatedFSDPPrecision) or p == "AnnotatedFSDPPrecision"
                for p in ours):
@@ -215,8 +214,6 @@ def _fsdp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
 
 def _deepspeed(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
                cpu: str | None) -> list[Finding]:
-    from precision_annot.adapters import deepspeed
-
     out = []
     if cpu and settings["cuda_only"]:
         out.append(_cuda_only(
@@ -228,8 +225,6 @@ def _deepspeed(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
 
 def _ddp(plan: PrecisionPlan, ours: list[Any], settings: dict[str, Any],
          cpu: str | None) -> list[Finding]:
-    from precision_annot.adapters import ddp
-
     hook = settings["hook"]
     if hook is None or not ddp.hooked_modules(plan):
         # the plugin registers the plan's hook itself, so only its buckets are left to say
@@ -298,12 +293,8 @@ def reduced(plan: PrecisionPlan, config: Mapping[str, Any] | None
             return None
         return {}
     if kind == "fsdp":
-        from precision_annot.adapters import fsdp
-
         return fsdp.reduced(plan, fsdp.unit_names(plan))
     if kind == "deepspeed":
-        from precision_annot.adapters import deepspeed
-
         dsp = deepspeed.translate(plan, warn=False)
         found, stage = deepspeed.given_config(dsp, settings["config"])
         return deepspeed.reduced(dsp, found, stage)

@@ -8,6 +8,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision
 from torch import nn
 from typing_extensions import override
 
+from precision_annot.adapters.fsdp import mixed_precision, wrap_policy
 from precision_annot.adapters.lightning.trainer import AnnotatedPrecision
 
 __all__ = ["AnnotatedFSDPPrecision"]
@@ -37,16 +38,12 @@ class AnnotatedFSDPPrecision(AnnotatedPrecision, FSDPPrecision):
         strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
         kwargs = getattr(strategy, "kwargs", None)
         if isinstance(kwargs, dict) and "auto_wrap_policy" not in kwargs:
-            from precision_annot.adapters.fsdp import wrap_policy
-
             kwargs["auto_wrap_policy"] = wrap_policy(self.plan)
         return module
 
     @property
     @override
     def mixed_precision_config(self) -> Any:
-        from precision_annot.adapters.fsdp import mixed_precision
-
         # Lightning reads this for configure_model's wrapping context, before convert_module
         # resolves the plan; modules wrapped there get no mixed precision from the plan.
         return None if self.plan is None else mixed_precision(self.plan)

@@ -21,6 +21,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from precision_annot.adapters import deepspeed as ds_adapter
+from precision_annot.adapters.ddp import comm_hook, hooked_modules
 from precision_annot.adapters.lightning.base import TrainerPlanPrecision
 
 __all__ = ["DeepSpeedHooks", "LocalHooks", "hooks_for", "strategy_of"]
@@ -58,8 +60,6 @@ class LocalHooks:
         wrapped = getattr(strategy, "model", None)
         if plan is None or not isinstance(wrapped, DistributedDataParallel):
             return
-        from precision_annot.adapters.ddp import comm_hook, hooked_modules
-
         if not hooked_modules(plan):  # every gradient reduces in its planned comm already
             return
         if getattr(strategy, "_ddp_comm_hook", None) is not None:
@@ -110,8 +110,6 @@ class DeepSpeedHooks(LocalHooks):
     backward, loss scaling, clipping (the config's `gradient_clipping`) and the step."""
 
     def convert(self, module: nn.Module) -> nn.Module:
-        from precision_annot.adapters import deepspeed as ds_adapter
-
         plugin = self.plugin
         strategy = strategy_of(module)
         plan = plugin.plan_for(module)
