@@ -344,52 +344,71 @@ def update_half(dsp: DeepSpeedPlan, stage: int) -> tuple[dict[str, Any], str | N
         getattr(plan[n].policy, f) is not None for f in ("master", "grad", "optim"))]
     if not names:
         return {}, None, ()
-    keys: dict[str, list[str]] = {}
+    layouts = _update_layouts(plan)
+    if len(layouts) > 1:
+        groups = sorted(layouts.values(), key=len)
+        return {}, (f"the plan updates its modules in {len(layouts)} ways (for example "
+                    f"{groups[0][0]!r} apart from {groups[-1][0]!r}), and DeepSpeed keeps one "
+                    "layout of masters, gradients and state for the whole model"), tuple(
+                        n for g in groups[:-1] for n in g)
+    policy = plan[names[0]].policy
+    section = {bf16: "bf16", fp16: "fp16"}.get(policy.storage or fp32)
+    refusal = _update_refusal(policy, section, stage)
+    if refusal is not None:
+        return {}, refusal, tuple(names)
+    return _update_keys(policy, section, stage), None, ()
+
+
+def _update_keys(policy: Policy, section: str | None, stage: int) -> dict[str, Any]:
+    """The keys that say one update layout DeepSpeed can hold."""
+    if section is None:  # fp32 storage: masters and state are fp32 already
+        return {}
+    out: dict[str, Any] = {}
+    state = policy.optim if isinstance(policy.optim, torch.dtype) else None
+    if stage >= 1:
+        out[f"{section}_master_weights_and_grads"] = not policy.copies_master
+        if not policy.copies_master:
+            out[f"{section}_optimizer_states"] = state is None or state == policy.storage
+    if policy.grad is not None:
+        out["grad_accum_dtype"] = SHORT[policy.grad]
+    return out
+
+
+def _update_layouts(plan: PrecisionPlan) -> dict[str, list[str]]:
+    """The modules holding parameters, by how they are updated (master, grad, optim), a
+    master that is the stored weight itself written alike however it was said."""
+    layouts: dict[str, list[str]] = {}
     for name in _param_entries(plan):
         p = plan[name].policy
         low = p.storage if p.storage in LOW_PRECISION else None
         master = p.master if p.master is not None else (None if low is None else "as stored")
         if master == p.storage:
             master = "as stored"
-        said = f"master={master},grad={p.grad},optim={p.optim}"
-        keys.setdefault(said, []).append(name)
-    if len(keys) > 1:
-        groups = sorted(keys.values(), key=len)
-        return {}, (f"the plan updates its modules in {len(keys)} ways (for example "
-                    f"{groups[0][0]!r} apart from {groups[-1][0]!r}), and DeepSpeed keeps one "
-                    "layout of masters, gradients and state for the whole model"), tuple(
-                        n for g in groups[:-1] for n in g)
-    policy = plan[names[0]].policy
-    storage = policy.storage
-    section = {bf16: "bf16", fp16: "fp16"}.get(storage or fp32)
+        layouts.setdefault(f"master={master},grad={p.grad},optim={p.optim}", []).append(name)
+    return layouts
+
+
+def _update_refusal(policy: Policy, section: str | None, stage: int) -> str | None:
+    """Why DeepSpeed's one `section` ("bf16", "fp16"; None for fp32 weights) at `stage`
+    cannot hold this update layout, or None."""
     if isinstance(policy.optim, str) or policy.master == "stochastic":
         what = f"optim={policy.optim}" if isinstance(policy.optim, str) else (
             "master='stochastic'")
-        return {}, (f"{what} has no DeepSpeed setting (its optimizers keep full-precision "
-                    "state and round to nearest)"), tuple(names)
-    out: dict[str, Any] = {}
-    copies = policy.copies_master
-    if section is None:  # fp32 storage: masters and state are fp32 already
-        if isinstance(policy.optim, torch.dtype) and policy.optim != fp32:
-            return {}, (f"optim={dtype_name(policy.optim)} over fp32 weights has no DeepSpeed "
-                        "setting (its state is kept in the dtype it updates)"), tuple(names)
-        return out, None, ()
-    if copies and stage == 0:
-        return {}, (f"master={dtype_name(cast(torch.dtype, policy.master))} over {section} "
-                    "weights needs ZeRO "
-                    f"stage 1-3: at stage 0 DeepSpeed's {section} mode updates the {section} "
-                    "weights themselves, with no master copy"), tuple(names)
+        return (f"{what} has no DeepSpeed setting (its optimizers keep full-precision state "
+                "and round to nearest)")
     state = policy.optim if isinstance(policy.optim, torch.dtype) else None
-    if copies and state is not None and state != fp32:
-        return {}, (f"optim={dtype_name(state)} beside fp32 masters has no DeepSpeed setting "
-                    f"({section}_optimizer_states needs {section} masters)"), tuple(names)
-    if stage >= 1:
-        out[f"{section}_master_weights_and_grads"] = not copies
-        if not copies:
-            out[f"{section}_optimizer_states"] = state is None or state == storage
-    if policy.grad is not None:
-        out["grad_accum_dtype"] = SHORT[policy.grad]
-    return out, None, ()
+    if section is None:
+        return None if state is None or state == fp32 else (
+            f"optim={dtype_name(state)} over fp32 weights has no DeepSpeed setting (its state "
+            "is kept in the dtype it updates)")
+    if policy.copies_master and stage == 0:
+        return (f"master={dtype_name(cast(torch.dtype, policy.master))} over {section} weights "
+                f"needs ZeRO stage 1-3: at stage 0 DeepSpeed's {section} mode updates the "
+                f"{section} weights themselves, with no master copy")
+    if policy.copies_master and state is not None and state != fp32:
+        return (f"optim={dtype_name(state)} beside fp32 masters has no DeepSpeed setting "
+                f"({section}_optimizer_states needs {section} masters)")
+    return None
 
 
 def _fill_update(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
@@ -645,22 +664,25 @@ def reduced(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> dict[str,
     """
     plan = dsp.plan
     low = next((s for s in ("bf16", "fp16") if _flag(config, s)), None)
-    stored = {"bf16": bf16, "fp16": fp16}.get(low or "")
-    try:
-        given = _dtype(config.get("communication_data_type"), "communication_data_type")
-    except ValueError:
-        given = None  # refused by DeepSpeed: its own finding
-    engine = given or stored or fp32
     names = _param_entries(plan)
-    autocast = _flag(config, "torch_autocast") and low is None
-    if stage == 0 or not autocast:
-        return {name: engine for name in names}
+    if stage == 0 or not _flag(config, "torch_autocast") or low is not None:
+        return dict.fromkeys(names, _engine_comm(config, low))
     section = _section(config, "torch_autocast")
     dtype = _dtype(section.get("dtype"), "torch_autocast.dtype") or fp16
     listed = section.get("lower_precision_safe_modules")
     classes = set(listed) if isinstance(listed, list) else set(DEFAULT_SAFE_MODULES)
     return {name: dtype if plan[name].type in classes else (
         plan[name].policy.grad_comm or plan[name].policy.storage or fp32) for name in names}
+
+
+def _engine_comm(config: dict[str, Any], low: str | None) -> torch.dtype:
+    """The engine's `communication_data_type`: the config's, else its bf16 or fp16 section's
+    dtype (`low`), else fp32."""
+    try:
+        given = _dtype(config.get("communication_data_type"), "communication_data_type")
+    except ValueError:
+        given = None  # refused by DeepSpeed: its own finding
+    return given or {"bf16": bf16, "fp16": fp16}.get(low or "") or fp32
 
 
 def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:

@@ -169,59 +169,87 @@ def megatron_args(model: nn.Module, plan: PrecisionPlan | None = None) -> Backen
     and `moe_router_dtype`. Megatron keeps embeddings, the output layer, norms and routers out
     of fp8 and converts whole transformer layers, so a plan that keeps part of a layer in high
     precision, or puts the LM head in fp8, is listed in `unexpressed`."""
-    given = subject(model, "fp8")
-    plan = given.plan if plan is None else plan
-    named = dict(given.model.named_modules()) if given.model is not None else {}
-    gemms = fp8_gemms(plan, named)
+    plan, named, gemms = _fp8_of(model, plan)
     unexpressed: list[str] = []
-    recipes = sorted({g.recipe for g in gemms.values()})
+    recipe = _one_recipe(gemms, "one fp8 recipe per model", unexpressed)
     settings: dict[str, Any] = {"fp8": "e4m3" if gemms else None}
-    if len(recipes) > 1:
-        unexpressed.append(f"one fp8 recipe per model; the plan has {recipes}")
-    recipe = recipes[0] if recipes else None
     if recipe is not None:
         settings["fp8_recipe"] = _MEGATRON_RECIPES.get(recipe, "blockwise")
         if recipe not in _MEGATRON_RECIPES:
             unexpressed.append(f"compute={recipe}: Megatron has no row-wise scaling; "
                                "'blockwise' (1x128 / 128x128 blocks) is the nearest")
     all_routers = router_names(named)
+    state, in_layers = _megatron_layers(named, gemms, all_routers, unexpressed)
+    settings.update(_first_last(state, bool(gemms), unexpressed))
+    outside = [n for n in gemms if n not in in_layers]
+    if outside:
+        unexpressed.append(f"fp8 outside the transformer layers ({outside[:3]}); Megatron "
+                           "keeps the embedding and output layer in high precision")
+    if all_routers:
+        settings["moe_router_dtype"] = _router_dtype(plan, all_routers, unexpressed)
+    return BackendSettings("megatron", settings, tuple(unexpressed))
+
+
+def _fp8_of(model: nn.Module, plan: PrecisionPlan | None
+            ) -> tuple[PrecisionPlan, dict[str, nn.Module], dict[str, Gemm]]:
+    """The plan (given, or the model's), the named modules, and the fp8 Linear layers."""
+    given = subject(model, "fp8")
+    plan = given.plan if plan is None else plan
+    named = dict(given.model.named_modules()) if given.model is not None else {}
+    return plan, named, fp8_gemms(plan, named)
+
+
+def _one_recipe(gemms: dict[str, Gemm], rule: str, unexpressed: list[str]) -> str | None:
+    """The plan's fp8 recipe; a backend that takes one (`rule`) is told of the others."""
+    recipes = sorted({g.recipe for g in gemms.values()})
+    if len(recipes) > 1:
+        unexpressed.append(f"{rule}; the plan has {recipes}")
+    return recipes[0] if recipes else None
+
+
+def _megatron_layers(named: dict[str, nn.Module], gemms: dict[str, Gemm],
+                     all_routers: list[str], unexpressed: list[str]
+                     ) -> tuple[list[bool], set[str]]:
+    """Per transformer layer, whether it runs fp8 (Megatron converts whole layers: a layer
+    with part of its Linear layers out of fp8 is told of), and the Linear layers inside."""
     _, layers = _layers(named)
     in_layers = {n for layer in layers for n in _linears_under(named, layer)}
     state = []
     for layer in layers:
         linears = _linears_under(named, layer)
         fp8 = [n for n in linears if n in gemms]
-        routers = set(all_routers) & set(linears)
-        dense = [n for n in linears if n not in routers]
+        dense = [n for n in linears if n not in set(all_routers)]
         if fp8 and len(fp8) < len(dense):
             high = [n for n in dense if n not in gemms]
             unexpressed.append(f"layer {layer!r} keeps part of its Linear layers out of fp8 "
                                f"({high[:3]}); Megatron converts whole layers")
         state.append(bool(fp8))
+    return state, in_layers
+
+
+def _first_last(state: list[bool], fp8: bool, unexpressed: list[str]) -> dict[str, Any]:
+    """Megatron's `first_last_layers_bf16` and its counts, from which layers run fp8; layers
+    out of fp8 between fp8 ones, which it cannot say, are told of."""
     start = next((i for i, s in enumerate(state) if s), len(state))
     end = next((i for i, s in enumerate(reversed(state)) if s), len(state))
-    if gemms and (start or end):
-        settings.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=start,
-                        num_layers_at_end_in_bf16=end)
-    else:
-        settings["first_last_layers_bf16"] = False
-    middle = state[start:len(state) - end]
-    if gemms and not all(middle):
+    if fp8 and not all(state[start:len(state) - end]):
         unexpressed.append("layers kept in high precision between fp8 layers; Megatron keeps "
                            "only the first and last layers out of fp8")
-    outside = [n for n in gemms if n not in in_layers]
-    if outside:
-        unexpressed.append(f"fp8 outside the transformer layers ({outside[:3]}); Megatron "
-                           "keeps the embedding and output layer in high precision")
-    if all_routers:
-        widest = {plan[n].policy.compute for n in all_routers}
-        if widest == {fp32} or widest == {torch.float64}:
-            settings["moe_router_dtype"] = dtype_name(widest.pop())
-        else:
-            settings["moe_router_dtype"] = None
-            if len(widest) > 1:
-                unexpressed.append("routers planned in several dtypes; Megatron takes one")
-    return BackendSettings("megatron", settings, tuple(unexpressed))
+    if fp8 and (start or end):
+        return {"first_last_layers_bf16": True, "num_layers_at_start_in_bf16": start,
+                "num_layers_at_end_in_bf16": end}
+    return {"first_last_layers_bf16": False}
+
+
+def _router_dtype(plan: PrecisionPlan, routers: list[str], unexpressed: list[str]
+                  ) -> str | None:
+    """Megatron's `moe_router_dtype`: fp32 or fp64 when every router is planned so."""
+    widest = {plan[n].policy.compute for n in routers}
+    if widest == {fp32} or widest == {torch.float64}:
+        return dtype_name(widest.pop())
+    if len(widest) > 1:
+        unexpressed.append("routers planned in several dtypes; Megatron takes one")
+    return None
 
 
 def te_settings(model: nn.Module, plan: PrecisionPlan | None = None) -> BackendSettings:
@@ -229,20 +257,21 @@ def te_settings(model: nn.Module, plan: PrecisionPlan | None = None) -> BackendS
     `te.fp8_autocast(enabled=False)` inside the model's `fp8_autocast`: the outermost modules
     holding Linear layers, none of them fp8. (TE runs fp8 only in its own `te.Linear` layers:
     build those where the plan says fp8.)"""
-    given = subject(model, "fp8")
-    plan = given.plan if plan is None else plan
-    named = dict(given.model.named_modules()) if given.model is not None else {}
-    gemms = fp8_gemms(plan, named)
+    _, named, gemms = _fp8_of(model, plan)
     unexpressed: list[str] = []
-    recipes = sorted({g.recipe for g in gemms.values()})
-    if len(recipes) > 1:
-        unexpressed.append(f"one recipe per fp8_autocast region; the plan has {recipes}")
-    recipe = recipes[0] if recipes else None
+    recipe = _one_recipe(gemms, "one recipe per fp8_autocast region", unexpressed)
     settings: dict[str, Any] = {"fp8_recipe": None if recipe is None else
                                 _TE_RECIPES.get(recipe, "Float8BlockScaling()")}
     if recipe is not None and recipe not in _TE_RECIPES:
         unexpressed.append(f"compute={recipe}: TE has no row-wise scaling; "
                            "Float8BlockScaling() is the nearest")
+    settings["fp8_autocast_disabled"] = _outermost_without_fp8(named, gemms)
+    settings["te_linear"] = sorted(gemms)
+    return BackendSettings("transformer_engine", settings, tuple(unexpressed))
+
+
+def _outermost_without_fp8(named: dict[str, nn.Module], gemms: dict[str, Gemm]) -> list[str]:
+    """The outermost modules holding Linear layers, none of them fp8."""
     linears = {n for n, m in named.items() if isinstance(m, nn.Linear)}
     high: list[str] = []
     for name in named:
@@ -251,6 +280,4 @@ def te_settings(model: nn.Module, plan: PrecisionPlan | None = None) -> BackendS
         under = {n for n in linears if n == name or n.startswith(name + ".")}
         if under and not under & set(gemms):
             high.append(name)
-    settings["fp8_autocast_disabled"] = high
-    settings["te_linear"] = sorted(gemms)
-    return BackendSettings("transformer_engine", settings, tuple(unexpressed))
+    return high
