@@ -120,13 +120,8 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
         >>> from precision_annot import annotate  # doctest: +SKIP
         >>> annotate(t5, rules(t5))  # T5 keeps its `wo` layers in fp32  # doctest: +SKIP
     """
-    low = None if dtype is None else to_dtype(dtype, field="dtype")
-    patterns: list[str] = []
-    if low is None or low == fp16:
-        patterns += sorted(getattr(model, "_keep_in_fp32_modules", None) or [])
-    patterns += sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     modules = list(model.named_modules())
-    selectors = [HFKeepInFP32(p) for p in dict.fromkeys(patterns)]
+    selectors = [HFKeepInFP32(p) for p in _kept_patterns(model, dtype)]
     chosen: list[tuple[HFKeepInFP32, str]] = []
     kept: list[str] = []
     for selector in selectors:
@@ -134,20 +129,36 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
         if selected:
             chosen.append((selector, KEPT))
             kept += selected
-    missed = [t for n, m in modules for t in _tensor_names(n, m, recurse=False)
-              if any(s.matches(t) for s in selectors)
-              and not any(k == "" or t.startswith(k + ".") for k in kept)]
-    if missed:
-        owners = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", parent_name(t)) for t in missed} - {""})
-        fix = (f" To keep them in fp32, annotate their modules fp32, submodules included, e.g. "
-               f"annotate(model, {{{owners[0]!r}: 'fp32'}}).") if owners else ""
-        warnings.warn(
-            f"rules: transformers keeps {len(missed)} tensor(s) of this model in fp32 that no "
-            f"module rule can keep alone, because their modules have submodules with tensors of "
-            f"their own: {', '.join(repr(t) for t in missed[:6])}"
-            f"{', ...' if len(missed) > 6 else ''}. They follow their module's storage "
-            f"dtype.{fix}", UserWarning, stacklevel=2)
+    _warn_unkept([t for n, m in modules for t in _tensor_names(n, m, recurse=False)
+                  if any(s.matches(t) for s in selectors)
+                  and not any(k == "" or t.startswith(k + ".") for k in kept)])
     return chosen
+
+
+def _kept_patterns(model: nn.Module, dtype: torch.dtype | str | None) -> list[str]:
+    """The model's keep-in-fp32 entries transformers applies for `dtype` (both lists for
+    None), each once."""
+    low = None if dtype is None else to_dtype(dtype, field="dtype")
+    patterns: list[str] = []
+    if low is None or low == fp16:
+        patterns += sorted(getattr(model, "_keep_in_fp32_modules", None) or [])
+    patterns += sorted(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+    return list(dict.fromkeys(patterns))
+
+
+def _warn_unkept(missed: list[str]) -> None:
+    """Tensors transformers keeps in fp32 that no module rule keeps alone."""
+    if not missed:
+        return
+    owners = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", parent_name(t)) for t in missed} - {""})
+    fix = (f" To keep them in fp32, annotate their modules fp32, submodules included, e.g. "
+           f"annotate(model, {{{owners[0]!r}: 'fp32'}}).") if owners else ""
+    warnings.warn(
+        f"rules: transformers keeps {len(missed)} tensor(s) of this model in fp32 that no "
+        f"module rule can keep alone, because their modules have submodules with tensors of "
+        f"their own: {', '.join(repr(t) for t in missed[:6])}"
+        f"{', ...' if len(missed) > 6 else ''}. They follow their module's storage "
+        f"dtype.{fix}", UserWarning, stacklevel=3)
 
 
 #: what `rules` gives a kept module: fp32, handing its output back in fp32, as transformers
@@ -203,13 +214,20 @@ def router_names(model: nn.Module | dict[str, nn.Module]) -> list[str]:
         parent, _, leaf = name.rpartition(".")
         beside_experts = leaf in _ROUTER_NAMES and f"{parent + '.' if parent else ''}experts" \
             in named
-        said = any((cls is None or isinstance(module, cls))
-                   and (class_name is None or type(module).__name__.endswith(class_name))
-                   and (layer is None or layer in name) and (cls or class_name or layer)
-                   for cls, class_name, layer in declared)
-        if said or beside_experts or leaf in _GATE_NAMES:
+        if beside_experts or leaf in _GATE_NAMES or any(
+                _declares(d, name, module) for d in declared):
             out.append(name)
     return out
+
+
+def _declares(declared: tuple[type | None, str | None, str | None], name: str,
+              module: nn.Module) -> bool:
+    """Whether one `_can_record_outputs` entry (class, class name, layer name; any may be
+    None, not all) names this module."""
+    cls, class_name, layer = declared
+    return bool((cls is None or isinstance(module, cls))
+                and (class_name is None or type(module).__name__.endswith(class_name))
+                and (layer is None or layer in name) and (cls or class_name or layer))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -452,26 +470,33 @@ def _checkpoint_keys(model: nn.Module, names: list[str]) -> dict[str, str | None
     return out
 
 
-def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
-    """Copy these tensors from the checkpoint's safetensors files, in the model's dtype; warn,
-    naming them, about those that cannot be found there."""
-    from safetensors import safe_open
-
+def _files_of(directory: Path, keys: dict[str, str | None]
+              ) -> tuple[dict[Path, list[str]], list[str]]:
+    """The tensors by the safetensors file of the checkpoint that holds their key (by its
+    index, else the single file), and those with no key or no file."""
     index = directory / "model.safetensors.index.json"
     weight_map: dict[str, str] = (json.loads(index.read_text())["weight_map"]
                                   if index.is_file() else {})
     single = directory / "model.safetensors"
-    keys = _checkpoint_keys(model, names)
-    tensors = {n: _tensor(model, n) for n in names}
     by_file: dict[Path, list[str]] = {}
     missed: list[str] = []
-    for name in names:
-        key = keys[name]
+    for name, key in keys.items():
         file = directory / weight_map[key] if key in weight_map else single
         if key is None or not file.is_file():
             missed.append(name)
         else:
             by_file.setdefault(file, []).append(name)
+    return by_file, missed
+
+
+def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
+    """Copy these tensors from the checkpoint's safetensors files, in the model's dtype; warn,
+    naming them, about those that cannot be found there."""
+    from safetensors import safe_open
+
+    keys = _checkpoint_keys(model, names)
+    tensors = {n: _tensor(model, n) for n in names}
+    by_file, missed = _files_of(directory, keys)
     restored: set[int] = set()
     for file, found in by_file.items():
         with safe_open(str(file), framework="pt") as f:

@@ -147,10 +147,8 @@ def _no_plugin(plan: PrecisionPlan, config: Mapping[str, Any], plugins: list[Any
     casts the whole model in convert_module; an unapplied plan is dropped for the preset's
     dtypes. Each module's planned dtypes are compared with what the preset gives it."""
     precision = config.get("precision")
-    others = [type(p).__name__ for p in plugins if _is_precision(p)]
     preset = str(precision) if precision is not None else "32-true"
-    runs = (f"the {others[0]} plugin" if others else
-            f"precision={precision!r}" if precision is not None else "its default '32-true'")
+    runs = _what_runs(precision, plugins)
     fix = (f"Trainer(plugins=[AnnotatedPrecision(default={preset!r})]), without precision=.")
     policy = PRESETS.get(preset)
     if policy is None:  # another plugin: what it does is its own
@@ -169,6 +167,15 @@ def _no_plugin(plan: PrecisionPlan, config: Mapping[str, Any], plugins: list[Any
     return drifts(plan, {f: {n: getattr(policy, f) for n in holders if getattr(policy, f)}
                          for f in fields},
                   code="lightning-no-plugin", backend="Lightning", cause=cause, fix=fix)
+
+
+def _what_runs(precision: Any, plugins: list[Any]) -> str:
+    """The precision Lightning runs without ours: another plugin, the preset, or its
+    default."""
+    others = [type(p).__name__ for p in plugins if _is_precision(p)]
+    if others:
+        return f"the {others[0]} plugin"
+    return f"precision={precision!r}" if precision is not None else "its default '32-true'"
 
 
 def _both_precisions(config: Mapping[str, Any], plugins: list[Any],
@@ -287,23 +294,28 @@ def reduced(plan: PrecisionPlan, config: Mapping[str, Any] | None
     strategy = config.get("strategy", "auto")
     kind, settings = _strategy_kind(strategy)
     ours = [p for p in [*plugins, getattr(strategy, "_precision_plugin", None)] if _is_ours(p)]
-    if kind == "other":
-        processes = _processes(config) if strategy == "auto" else None
-        if processes is None or processes > 1:
-            return None
-        return {}
-    if kind == "fsdp":
-        return fsdp.reduced(plan, fsdp.unit_names(plan))
-    if kind == "deepspeed":
-        dsp = deepspeed.translate(plan, warn=False)
-        found, stage = deepspeed.given_config(dsp, settings["config"])
-        return deepspeed.reduced(dsp, found, stage)
+    if kind != "ddp":
+        return _reduced_elsewhere(plan, kind, settings, config)
     stored = _stored(plan)
     if ours and settings["hook"] is None:
         return {n: plan[n].policy.grad_comm or d for n, d in stored.items()}
     if settings["hook"] is not None and not _on_cpu(config.get("accelerator", "auto")):
         return None  # the user's hook runs, and its dtypes are its own
     return stored
+
+
+def _reduced_elsewhere(plan: PrecisionPlan, kind: str, settings: dict[str, Any],
+                       config: Mapping[str, Any]) -> dict[str, torch.dtype] | None:
+    """`reduced` for a strategy other than DDP: FSDP's units, DeepSpeed's engine, or one
+    process (nothing reduced; None when the device count is not known here)."""
+    if kind == "fsdp":
+        return fsdp.reduced(plan, fsdp.unit_names(plan))
+    if kind == "deepspeed":
+        dsp = deepspeed.translate(plan, warn=False)
+        found, stage = deepspeed.given_config(dsp, settings["config"])
+        return deepspeed.reduced(dsp, found, stage)
+    processes = _processes(config) if config.get("strategy", "auto") == "auto" else None
+    return None if processes is None or processes > 1 else {}
 
 
 _STRATEGY_CHECKS: dict[str, Callable[[PrecisionPlan, list[Any], dict[str, Any], str | None],
