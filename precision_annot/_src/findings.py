@@ -167,32 +167,40 @@ def drifts(plan: PrecisionPlan, actual: Mapping[str, Mapping[str, torch.dtype]],
         parts, names, nouns, extra = [], [], [], 0
         for field, found in compared.items():
             changes = found.narrowed if severity == "error" else found.widened
-            if not changes:
-                continue
-            verb, noun = _WHAT[field]
-            here = list(changes)
-            pairs = sorted({(dtype_name(a), dtype_name(b)) for a, b in changes.values()})
-            said = "; ".join(f"planned {a}, {b} instead" for a, b in pairs)
-            elements = sum(plan[n].params for n in here)
-            parts.append(f"{verb} {listing(here)} ({elements:,} parameters) in another dtype "
-                         f"than the plan ({said})")
-            names += [n for n in here if n not in names]
-            nouns.append(noun)
-            extra += sum(plan[n].params * (changes[n][1].itemsize - changes[n][0].itemsize)
-                         for n in here if field != "compute")
-        if not parts:
-            continue
-        if severity == "error":
-            then = (f"so they are {' and '.join(nouns)} with fewer bits than the plan gives "
-                    "them, silently (an island meant to stay wide is not)")
-        else:
-            then = ("so they run slower than planned" if nouns == ["computed"] else
-                    f"so they cost more than planned: {extra:,} more bytes"
-                    f"{' a step on the wire' if 'summed' in nouns else ' of parameters'}")
-        out.append(Finding(
-            severity, code, names[0],
-            f"{backend} {', and '.join(parts)}, because {cause}, {then}.", fix, tuple(names)))
+            if changes:
+                parts.append(_drift_part(plan, field, changes))
+                names += [n for n in changes if n not in names]
+                nouns.append(_WHAT[field][1])
+                extra += 0 if field == "compute" else sum(
+                    plan[n].params * (b.itemsize - a.itemsize) for n, (a, b) in changes.items())
+        if parts:
+            out.append(Finding(
+                severity, code, names[0], f"{backend} {', and '.join(parts)}, because {cause}, "
+                f"{_drift_then(severity, nouns, extra)}.", fix, tuple(names)))
     return out
+
+
+def _drift_part(plan: PrecisionPlan, field: str,
+                changes: Mapping[str, tuple[torch.dtype, torch.dtype]]) -> str:
+    """What a backend does to one field of these modules: "stores 'a' (n parameters) in
+    another dtype than the plan (planned x, y instead)"."""
+    verb = _WHAT[field][0]
+    pairs = sorted({(dtype_name(a), dtype_name(b)) for a, b in changes.values()})
+    said = "; ".join(f"planned {a}, {b} instead" for a, b in pairs)
+    elements = sum(plan[n].params for n in changes)
+    return (f"{verb} {listing(list(changes))} ({elements:,} parameters) in another dtype than "
+            f"the plan ({said})")
+
+
+def _drift_then(severity: str, nouns: list[str], extra: int) -> str:
+    """What the drift costs: bits (narrowed) or time and bytes (widened)."""
+    if severity == "error":
+        return (f"so they are {' and '.join(nouns)} with fewer bits than the plan gives them, "
+                "silently (an island meant to stay wide is not)")
+    if nouns == ["computed"]:
+        return "so they run slower than planned"
+    return (f"so they cost more than planned: {extra:,} more bytes"
+            f"{' a step on the wire' if 'summed' in nouns else ' of parameters'}")
 
 
 # -- what holds whatever the backend -------------------------------------------------------------
@@ -322,12 +330,7 @@ def _narrow_comm(plan: PrecisionPlan, backend: str | None,
     the plan asks; nothing when a backend's wire dtypes are unknown (another comm hook)."""
     if comm is None and backend not in _AS_PLANNED:
         return
-    pairs: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
-    for name, entry in plan.items():
-        storage = (stored or {}).get(name) or entry.policy.storage or fp32
-        reduced = comm.get(name) if comm is not None else entry.policy.grad_comm
-        if entry.params and reduced is not None and wider(storage, reduced):
-            pairs.setdefault((storage, reduced), []).append(name)
+    pairs = _narrowed_pairs(plan, comm, stored or {})
     who = f"{backend} sums" if backend and comm is not None else (
         "the plan asks for summing")
     for (storage, reduced), names in pairs.items():
@@ -344,6 +347,20 @@ def _narrow_comm(plan: PrecisionPlan, backend: str | None,
             f"or accept the trade: {storage.itemsize // reduced.itemsize}x less traffic.",
             tuple(names),
         )
+
+
+def _narrowed_pairs(plan: PrecisionPlan, comm: Mapping[str, torch.dtype] | None,
+                    stored: Mapping[str, torch.dtype]
+                    ) -> dict[tuple[torch.dtype, torch.dtype], list[str]]:
+    """The modules holding parameters whose gradients are summed narrower than stored, by
+    (storage, comm): as the backend does (`stored`, `comm`), else as the plan asks."""
+    pairs: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    for name, entry in plan.items():
+        storage = stored.get(name) or entry.policy.storage or fp32
+        reduced = comm.get(name) if comm is not None else entry.policy.grad_comm
+        if entry.params and reduced is not None and wider(storage, reduced):
+            pairs.setdefault((storage, reduced), []).append(name)
+    return pairs
 
 
 def _bounded(type_path: str) -> bool:

@@ -20,7 +20,7 @@ from precision_annot._src.dtypes import dtype_name, widest
 from precision_annot._src.findings import Finding, drift, listing
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_plan
-from precision_annot._src.plan import PrecisionPlan, nearest, parent_name
+from precision_annot._src.plan import PrecisionPlan, TensorInfo, nearest, parent_name
 from precision_annot._src.runtime import apply, plan_of
 from precision_annot._src.selectors import Selector, matcher
 from precision_annot._src.tables import human_bytes
@@ -153,26 +153,28 @@ def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
     members: dict[str, list[str]] = {n: [] for n in names}
     for name in plan:
         members[owner[name] or ""].append(name)
-    out = []
-    for name in names:
-        holders = [m for m in members[name] if plan[m].params]
-        storage = frozenset(k for m in holders for k in plan[m].param_dtype_bytes)
-        floating = [d for d in storage if d.is_floating_point]
-        stored = floating[0] if len(floating) == 1 else None
-        gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
-        out.append(Unit(
-            name=name,
-            members=tuple(members[name]),
-            params=sum(plan[m].params for m in holders),
-            storage=storage,
-            param_dtype=None if gather is None or gather == (stored or plan[name].policy.storage)
-            else gather,
-            reduce_dtype=(widest(plan[m].policy.grad_comm for m in holders)
-                          or plan[name].policy.grad_comm),
-            output_dtype=plan[name].policy.output,
-            holders=tuple(holders),
-        ))
-    return out
+    return [_unit(plan, name, members[name]) for name in names]
+
+
+def _unit(plan: PrecisionPlan, name: str, members: list[str]) -> Unit:
+    """The unit at `name` holding `members`: gathered in the widest compute its holders need
+    (None where that is its storage), reduced in the widest comm."""
+    holders = [m for m in members if plan[m].params]
+    storage = frozenset(k for m in holders for k in plan[m].param_dtype_bytes)
+    floating = [d for d in storage if d.is_floating_point]
+    stored = floating[0] if len(floating) == 1 else plan[name].policy.storage
+    gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
+    return Unit(
+        name=name,
+        members=tuple(members),
+        params=sum(plan[m].params for m in holders),
+        storage=storage,
+        param_dtype=None if gather is None or gather == stored else gather,
+        reduce_dtype=(widest(plan[m].policy.grad_comm for m in holders)
+                      or plan[name].policy.grad_comm),
+        output_dtype=plan[name].policy.output,
+        holders=tuple(holders),
+    )
 
 
 def _mixed(units: list[Unit], plan: PrecisionPlan) -> list[tuple[Unit, str]]:
@@ -652,11 +654,8 @@ def _frozen_beside_trainable(plan: PrecisionPlan, shards: list[Unit], use_orig_p
     gradients with the rest (measured: 1,136 elements on the wire for 624 trainable)."""
     out = []
     for unit in shards:
-        params = [(f"{m}.{t.name}" if m else t.name, t) for m in unit.members
-                  for t in plan[m].own_params
-                  if t.dtype.is_floating_point and t.tied is None]
-        frozen = [(n, t) for n, t in params if not t.trainable]
-        if not frozen or len(frozen) == len(params):
+        frozen = _frozen_beside(plan, unit)
+        if not frozen:
             continue
         if not use_orig_params:
             out.append(Finding(
@@ -680,6 +679,15 @@ def _frozen_beside_trainable(plan: PrecisionPlan, shards: list[Unit], use_orig_p
             "(precision_annot.adapters.fsdp.fully_shard), which reduces only gradients.",
             tuple(n.rpartition(".")[0] for n in names)))
     return out
+
+
+def _frozen_beside(plan: PrecisionPlan, unit: Unit) -> list[tuple[str, TensorInfo]]:
+    """The unit's frozen floating parameters (a tie counted at its first holder), when it
+    holds trainable ones too; else none."""
+    params = [(f"{m}.{t.name}" if m else t.name, t) for m in unit.members
+              for t in plan[m].own_params if t.dtype.is_floating_point and t.tied is None]
+    frozen = [(n, t) for n, t in params if not t.trainable]
+    return [] if len(frozen) == len(params) else frozen
 
 
 def _small_units(plan: PrecisionPlan, model: nn.Module | None,
