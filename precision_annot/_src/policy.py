@@ -152,49 +152,9 @@ class Policy:
         if comma and "=" not in head and "=" in rest:  # a base, then fields: "fp32,output=fp32"
             return cls.parse(head).merge(cls.parse(rest))
         if "=" not in stripped:
-            if "," in stripped:
-                raise ValueError(
-                    f"Cannot parse policy {text!r}: use key=dtype pairs such as "
-                    f"'compute=bf16,storage=fp32', after at most one dtype or preset "
-                    f"('fp32,output=fp32')."
-                )
-            if lowered in FP8_RECIPES:  # fp8 is a GEMM recipe, never storage or output
-                raise ValueError(
-                    f"Unknown policy {text!r}: fp8 is a compute dtype for GEMMs. Write "
-                    f"'compute={lowered}' (storage, comm and output are then inherited, "
-                    f"e.g. bf16 around the fp8 GEMMs) or a base first, 'bf16,compute={lowered}'."
-                    f" Valid fp8 computes: {', '.join(FP8_RECIPES)}."
-                )
-            try:
-                dtype = to_dtype(stripped, field="spec")
-            except ValueError as e:
-                names = ", ".join(dtype_name(d) for d in (fp64, fp32, fp16, bf16))
-                raise ValueError(
-                    f"Unknown policy {text!r}. Valid: a dtype name ({names}), "
-                    f"a preset ({', '.join(repr(p) for p in PRESETS)}), or key=dtype pairs "
-                    f"with keys {', '.join(FIELDS)} ('compute=fp8' and the other fp8 "
-                    f"recipes: {', '.join(FP8_RECIPES)})."
-                ) from e
+            dtype = _bare_dtype(text)
             return cls(compute=dtype, storage=dtype, comm=dtype)
-        values: dict[str, object] = {}
-        for part in stripped.split(","):
-            key, sep, value = part.partition("=")
-            key = key.strip().lower()
-            if not sep or not key or not value.strip():
-                raise ValueError(
-                    f"Cannot parse policy {text!r}: {part.strip()!r} is not key=dtype."
-                )
-            if key not in _KEY_ALIASES:
-                raise ValueError(
-                    f"Unknown policy key {key!r} in {text!r}. Valid keys: "
-                    f"{', '.join(repr(k) for k in _KEY_ALIASES)}"
-                )
-            field = _KEY_ALIASES[key]
-            if field in values:
-                raise ValueError(f"Policy key {field!r} is given twice in {text!r}.")
-            values[field] = (value.strip() if field == "compute" else
-                             _read(field, value.strip()))
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**_pairs(text))  # type: ignore[arg-type]
 
     def show(self, field: str) -> str:
         """One field as the table and the string form print it: "bf16", or for the compute of
@@ -419,3 +379,55 @@ def policy_from(
     given = {k: v if k == "compute" else _read(k, v) for k, v in fields.items()
              if v is not None}
     return base.merge(Policy(**given)) if given else base  # type: ignore[arg-type]
+
+
+def _bare_dtype(text: str) -> torch.dtype:
+    """The dtype a policy of one word names ("fp32"), or the error for what it is not."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    if "," in stripped:
+        raise ValueError(
+            f"Cannot parse policy {text!r}: use key=dtype pairs such as "
+            f"'compute=bf16,storage=fp32', after at most one dtype or preset "
+            f"('fp32,output=fp32')."
+        )
+    if lowered in FP8_RECIPES:  # fp8 is a GEMM recipe, never storage or output
+        raise ValueError(
+            f"Unknown policy {text!r}: fp8 is a compute dtype for GEMMs. Write "
+            f"'compute={lowered}' (storage, comm and output are then inherited, "
+            f"e.g. bf16 around the fp8 GEMMs) or a base first, 'bf16,compute={lowered}'."
+            f" Valid fp8 computes: {', '.join(FP8_RECIPES)}."
+        )
+    try:
+        return to_dtype(stripped, field="spec")
+    except ValueError as e:
+        names = ", ".join(dtype_name(d) for d in (fp64, fp32, fp16, bf16))
+        raise ValueError(
+            f"Unknown policy {text!r}. Valid: a dtype name ({names}), "
+            f"a preset ({', '.join(repr(p) for p in PRESETS)}), or key=dtype pairs "
+            f"with keys {', '.join(FIELDS)} ('compute=fp8' and the other fp8 "
+            f"recipes: {', '.join(FP8_RECIPES)})."
+        ) from e
+
+
+def _pairs(text: str) -> dict[str, object]:
+    """The fields of "key=dtype,key=dtype", each key once (aliases read as their field)."""
+    values: dict[str, object] = {}
+    for part in text.strip().split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or not key or not value.strip():
+            raise ValueError(
+                f"Cannot parse policy {text!r}: {part.strip()!r} is not key=dtype."
+            )
+        if key not in _KEY_ALIASES:
+            raise ValueError(
+                f"Unknown policy key {key!r} in {text!r}. Valid keys: "
+                f"{', '.join(repr(k) for k in _KEY_ALIASES)}"
+            )
+        field = _KEY_ALIASES[key]
+        if field in values:
+            raise ValueError(f"Policy key {field!r} is given twice in {text!r}.")
+        values[field] = (value.strip() if field == "compute" else
+                         _read(field, value.strip()))
+    return values

@@ -250,16 +250,7 @@ def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str,
     """An fp8 recipe set on a module itself (by an instance, class or rule annotation) must
     reach a Linear layer: fp8 runs the GEMMs of nn.Linear layers, and nothing else. mxfp8
     must run over a dtype torchao's MX formats take."""
-    refused: dict[Refusal, list[tuple[str, Gemm]]] = {}
-    for name, entry in entries.items():  # what no Linear can run, whatever its class
-        if entry.policy.gemm is not None and isinstance(modules[name], nn.Linear):
-            gemm = Gemm(entry.policy.gemm, compute=entry.policy.compute)
-            for refusal in refusals(gemm, own_forward=False):
-                refused.setdefault(refusal, []).append((name, gemm))
-    for refusal, layers in refused.items():
-        name, gemm = layers[0]
-        raise ValueError(refusal.message(
-            f"{len(layers)} Linear layer(s), e.g. {name or '(root)'!r}", name, gemm))
+    _require_fp8_runs(entries, modules)
     explicit = [n for n, e in entries.items() if e.sources.get("gemm") in
                 ("instance", "class", "rule")]
     if not explicit:
@@ -279,6 +270,21 @@ def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str,
             "this module has none. Annotate the Linear layers or a module that holds them "
             f"(annotate(model, {{nn.Linear: 'compute={first.policy.gemm}'}})). Modules: "
             f"{bad[:8]}")
+
+
+def _require_fp8_runs(entries: dict[str, ModulePlan], modules: dict[str, nn.Module]) -> None:
+    """No Linear planned with fp8 GEMMs that no Linear can run (`float8.REFUSALS` for any
+    class; a class's own forward is refused when apply converts it)."""
+    refused: dict[Refusal, list[tuple[str, Gemm]]] = {}
+    for name, entry in entries.items():
+        if entry.policy.gemm is not None and isinstance(modules[name], nn.Linear):
+            gemm = Gemm(entry.policy.gemm, compute=entry.policy.compute)
+            for refusal in refusals(gemm, own_forward=False):
+                refused.setdefault(refusal, []).append((name, gemm))
+    for refusal, layers in refused.items():
+        name, gemm = layers[0]
+        raise ValueError(refusal.message(
+            f"{len(layers)} Linear layer(s), e.g. {name or '(root)'!r}", name, gemm))
 
 
 def _require_update_fields(entries: dict[str, ModulePlan]) -> None:

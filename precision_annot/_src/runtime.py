@@ -585,18 +585,7 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
         current_state.resolved = resolved
         return
 
-    # Prepare everything that can fail (the casts, fp8 conversions) before changing anything.
-    for name, gemm in execution.gemms.items():
-        float8.validate(float8.plain_class(named[name]), gemm, name)
-    prepared: list[tuple[Key, torch.Tensor, torch.Tensor]] = []
-    current: dict[Key, torch.dtype] = {}
-    for key, target in execution.targets.items():
-        tensor = get_tensor(named[key[0]], key[1], key[2])
-        assert tensor is not None
-        current[key] = tensor.dtype
-        if tensor.dtype != target.dtype:
-            prepared.append((key, tensor, tensor.to(target.dtype)))
-
+    prepared, current = _prepare(execution, named)
     originals = _absorb_nested(root)
     _warn_rounded_again(originals, prepared)
     for key, dtype in current.items():  # kept from the first apply, if there was one
@@ -614,6 +603,31 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
     for name, gemm in execution.gemms.items():
         states[name].convert(gemm)
     state = AppliedState(plan, execution, originals, resolved=resolved)
+    _install(states, execution, state)
+    root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
+    object.__setattr__(root, _STATE_ATTR, state)
+
+
+def _prepare(execution: Execution, named: dict[str, nn.Module]
+             ) -> tuple[list[tuple[Key, torch.Tensor, torch.Tensor]], dict[Key, torch.dtype]]:
+    """Everything that can fail, done before anything changes: each fp8 layer validated,
+    each tensor cast to its planned dtype (the casts, and every tensor's dtype now)."""
+    for name, gemm in execution.gemms.items():
+        float8.validate(float8.plain_class(named[name]), gemm, name)
+    prepared: list[tuple[Key, torch.Tensor, torch.Tensor]] = []
+    current: dict[Key, torch.dtype] = {}
+    for key, target in execution.targets.items():
+        tensor = get_tensor(named[key[0]], key[1], key[2])
+        assert tensor is not None
+        current[key] = tensor.dtype
+        if tensor.dtype != target.dtype:
+            prepared.append((key, tensor, tensor.to(target.dtype)))
+    return prepared, current
+
+
+def _install(states: dict[str, ModuleState], execution: Execution,
+             state: AppliedState) -> None:
+    """Each module's part of the execution, installed through its `ModuleState`."""
     casting: dict[str, dict[Kind, tuple[Region, frozenset[str]]]] = {}
     for (name, kind), entry in execution.casting.items():
         casting.setdefault(name, {})[kind] = entry
@@ -623,8 +637,6 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
     for name, module_state in states.items():
         module_state.install(execution.sites.get(name), casting.get(name, {}),
                              execution.reprs.get(name), tuple(planned.get(name, ())), state)
-    root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
-    object.__setattr__(root, _STATE_ATTR, state)
 
 
 # -- optimizers built before apply ---------------------------------------------------------------
