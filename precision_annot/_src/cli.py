@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -59,27 +60,8 @@ def load_object(target: str, *, call: bool = True) -> Any:
             f"TARGET must be 'package.module:callable' or 'path/to/file.py:callable'. "
             f"Received: {target!r}"
         )
-    if module_part.endswith(".py") or "/" in module_part:
-        path = Path(module_part)
-        if not path.is_file():
-            raise CLIError(f"Cannot import {module_part!r}: no such file.")
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        if spec is None or spec.loader is None:
-            raise CLIError(f"Cannot import {module_part!r}.")
-        folder = str(path.resolve().parent)  # its siblings import, as `python file.py`
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[path.stem] = module
-        spec.loader.exec_module(module)  # the user's code raising here is exit status 3
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ModuleNotFoundError as e:
-            if e.name is None or not (module_part == e.name
-                                      or module_part.startswith(e.name + ".")):
-                raise  # the target imports, and something it imports is missing: its error
-            raise CLIError(f"Cannot import {module_part!r}: {type(e).__name__}: {e}") from e
+    module = _import_file(module_part) if module_part.endswith(".py") or "/" in module_part \
+        else _import_module(module_part)
     fn = getattr(module, attr, None)
     if fn is None:
         raise CLIError(f"{module_part!r} has no attribute {attr!r}.")
@@ -93,6 +75,35 @@ def load_object(target: str, *, call: bool = True) -> Any:
     except ValueError:  # no signature to read (a builtin): call it and see
         pass
     return fn()  # the user's factory raising is exit status 3, with its traceback
+
+
+def _import_file(module_part: str) -> types.ModuleType:
+    """A Python file run as a module, its folder on sys.path (as `python file.py` has it)."""
+    path = Path(module_part)
+    if not path.is_file():
+        raise CLIError(f"Cannot import {module_part!r}: no such file.")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise CLIError(f"Cannot import {module_part!r}.")
+    folder = str(path.resolve().parent)  # its siblings import, as `python file.py`
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)  # the user's code raising here is exit status 3
+    return module
+
+
+def _import_module(module_part: str) -> types.ModuleType:
+    """An importable module; one that is not there is a CLI error, a module it imports that
+    is missing is its own error (exit status 3)."""
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_part == e.name
+                                  or module_part.startswith(e.name + ".")):
+            raise  # the target imports, and something it imports is missing: its error
+        raise CLIError(f"Cannot import {module_part!r}: {type(e).__name__}: {e}") from e
 
 
 def _plan(args: argparse.Namespace) -> PrecisionPlan:
@@ -265,16 +276,7 @@ def _check_config(args: argparse.Namespace) -> Any:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     config = _check_config(args)
-    target: Any
-    if isinstance(config, dict) and "units" in config and ":" in args.target:
-        target = load_target(args.target)  # units select modules: check the model itself
-        if args.default is not None:
-            try:
-                apply(target, default=args.default)
-            except (TypeError, ValueError) as e:
-                raise CLIError(str(e)) from e
-    else:
-        target = _plan(args)
+    target = _check_target(args, config)  # the user's factory raising is exit status 3
     try:
         found = check(target, args.backend, config)
     except (TypeError, ValueError) as e:
@@ -289,6 +291,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
         summary = ", ".join(f"{n} {s}{'' if n == 1 else 's'}" for n, s in counts)
         print(f"{summary} ({args.backend or 'any backend'})", file=sys.stderr)
     return 1 if any(f.severity == "error" for f in found) else 0
+
+
+def _check_target(args: argparse.Namespace, config: Any) -> nn.Module | PrecisionPlan:
+    """What `check` looks at: the model itself when the config selects units (by module),
+    else the target's plan."""
+    if not (isinstance(config, dict) and "units" in config and ":" in args.target):
+        return _plan(args)
+    target = load_target(args.target)
+    if args.default is not None:
+        try:
+            apply(target, default=args.default)
+        except (TypeError, ValueError) as e:
+            raise CLIError(str(e)) from e
+    return target
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -579,23 +579,12 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /, *,
     given = subject(model if plan is None else plan, "optimizer")
     plan = given.plan
     target = given.model if given.model is not None else model
-    named: list[tuple[str, nn.Parameter, UpdateKey]] = []
-    seen: set[int] = set()
+    named = _trainable(target, plan)
     needs: dict[str, list[str]] = {}
-    for name, module in target.named_modules():
-        if name not in plan:
-            continue
-        policy = plan[name].policy
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in seen or not p.requires_grad:
-                continue
-            seen.add(id(p))
-            key = update_key(policy.master, policy.grad, policy.optim, p)
-            full = f"{name}.{pname}" if name else pname
-            named.append((full, p, key))
-            if isinstance(key.optim, str) or key.master == STOCHASTIC or (
-                    key.grad is not None and not isinstance(key.master, torch.dtype)):
-                needs.setdefault(str(key), []).append(full)
+    for full, _, key in named:
+        if isinstance(key.optim, str) or key.master == STOCHASTIC or (
+                key.grad is not None and not isinstance(key.master, torch.dtype)):
+            needs.setdefault(str(key), []).append(full)  # only torchao's Adam(W) steps these
     if needs and _family(optimizer_class) is None:
         what, names = next(iter(needs.items()))
         raise ValueError(
@@ -630,3 +619,22 @@ def state_bytes(optimizer: Optimizer) -> int:
                      for m in e.masters.values())
         total += sum(b.numel() * b.element_size() for b in optimizer.buffers.values())
     return total
+
+
+def _trainable(model: nn.Module, plan: PrecisionPlan) -> list[tuple[str, nn.Parameter,
+                                                                       UpdateKey]]:
+    """Each trainable parameter once (a tie at its first holder), with its full name and how
+    its module's plan updates it."""
+    named: list[tuple[str, nn.Parameter, UpdateKey]] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        if name not in plan:
+            continue
+        policy = plan[name].policy
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            named.append((f"{name}.{pname}" if name else pname, p,
+                          update_key(policy.master, policy.grad, policy.optim, p)))
+    return named
