@@ -55,30 +55,49 @@ def map_tree(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], *,
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.is_floating_point() or not floating_only else obj
     if isinstance(obj, (list, tuple)):
-        items = [map_tree(item, fn, floating_only=floating_only) for item in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        if isinstance(obj, list):
-            return type(obj)(items) if type(obj) is not list else items
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        return _map_sequence(obj, fn, floating_only)
     if isinstance(obj, dict):
-        changed = {k: map_tree(v, fn, floating_only=floating_only) for k, v in obj.items()}
-        if all(changed[k] is v for k, v in obj.items()):
-            return obj
-        new = copy.copy(obj)
-        for key, value in changed.items():
-            new[key] = value
-        return new
+        return _map_dict(obj, fn, floating_only)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: map_tree(getattr(obj, f.name), fn, floating_only=floating_only)
-                  for f in dataclasses.fields(obj)}
-        if all(fields[k] is getattr(obj, k) for k in fields):
-            return obj
-        new = copy.copy(obj)  # type: ignore[arg-type]
-        for key, value in fields.items():
-            object.__setattr__(new, key, value)
-        return new
+        return _map_dataclass(obj, fn, floating_only)
     return obj
+
+
+def _map_sequence(obj: list[Any] | tuple[Any, ...], fn: Callable[[torch.Tensor], torch.Tensor],
+                  floating_only: bool) -> Any:
+    """A list or tuple (a named tuple, a subclass) rebuilt as its own type where a leaf
+    changed."""
+    items = [map_tree(item, fn, floating_only=floating_only) for item in obj]
+    if all(a is b for a, b in zip(items, obj, strict=True)):
+        return obj
+    if isinstance(obj, list):
+        return type(obj)(items) if type(obj) is not list else items
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+
+
+def _map_dict(obj: dict[Any, Any], fn: Callable[[torch.Tensor], torch.Tensor],
+              floating_only: bool) -> Any:
+    """A dict (an OrderedDict, a ModelOutput) copied and refilled where a value changed."""
+    changed = {k: map_tree(v, fn, floating_only=floating_only) for k, v in obj.items()}
+    if all(changed[k] is v for k, v in obj.items()):
+        return obj
+    new = copy.copy(obj)
+    for key, value in changed.items():
+        new[key] = value
+    return new
+
+
+def _map_dataclass(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor],
+                   floating_only: bool) -> Any:
+    """A dataclass instance (frozen too) copied with its changed fields set."""
+    fields = {f.name: map_tree(getattr(obj, f.name), fn, floating_only=floating_only)
+              for f in dataclasses.fields(obj)}
+    if all(fields[k] is getattr(obj, k) for k in fields):
+        return obj
+    new = copy.copy(obj)
+    for key, value in fields.items():
+        object.__setattr__(new, key, value)
+    return new
 
 
 def cast_tree(obj: Any, dtype: torch.dtype, copies: Copies | None = None, label: str = "") -> Any:
