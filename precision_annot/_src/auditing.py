@@ -437,17 +437,12 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.fp8_weights and func.overloadpacket.__name__ in ("_to_copy", "clone"):
-            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            copied = self._fp8_owner([source]) if source is not None else None
-            if copied is not None and isinstance(out, torch.Tensor) and not is_fp8_tensor(out):
-                self._track(out, copied)
+            self._follow_copy(args, out)
         if func.is_view or not _computes(func, args, kwargs):
             return out
         gemm = func.overloadpacket.__name__ in _GEMMS
-        operands = [t for t in (*args, *(kwargs or {}).values())
-                    if isinstance(t, torch.Tensor)] if gemm else []
+        operands = _operands(args, kwargs) if gemm else []
         fp8 = any(is_fp8_tensor(t) for t in operands)
-        high: str | None = None if fp8 or not self.fp8_weights else self._fp8_owner(operands)
         inputs: list[torch.Tensor] = []
         floating_leaves((args, kwargs), inputs)
         if not inputs:
@@ -455,14 +450,33 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
         owner: tuple[str, str] | None = self.tracker.owner() if results else None
-        if high is not None and (owner is None or owner[0] != high):
-            # an fp8-planned weight multiplied in high precision outside its own layer (its own
-            # forward running high is counted with its GEMMs)
-            phase_now = owner[1] if owner is not None else (
-                "backward" if torch._C._current_graph_task_id() != -1 else "forward")
-            self.records[high].high_weight_gemms[phase_now] += 1
-        if owner is None:
-            return out
+        if not fp8 and self.fp8_weights:
+            self._high_weight_gemm(operands, owner)
+        if owner is not None:
+            self._book(owner, results, gemm, fp8, operands)
+        return out
+
+    def _follow_copy(self, args: Any, out: Any) -> None:
+        """A copy of an fp8-planned weight (autocast's, a .to()) is that weight too."""
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        copied = self._fp8_owner([source]) if source is not None else None
+        if copied is not None and isinstance(out, torch.Tensor) and not is_fp8_tensor(out):
+            self._track(out, copied)
+
+    def _high_weight_gemm(self, operands: list[torch.Tensor], owner: tuple[str, str] | None
+                          ) -> None:
+        """An fp8-planned weight multiplied in high precision outside its own layer (its own
+        forward running high is counted with its GEMMs)."""
+        high = self._fp8_owner(operands)
+        if high is None or (owner is not None and owner[0] == high):
+            return
+        phase = owner[1] if owner is not None else (
+            "backward" if torch._C._current_graph_task_id() != -1 else "forward")
+        self.records[high].high_weight_gemms[phase] += 1
+
+    def _book(self, owner: tuple[str, str], results: list[torch.Tensor], gemm: bool,
+              fp8: bool, operands: list[torch.Tensor]) -> None:
+        """One op of `owner`'s own code: the dtypes it computed in, and its GEMM."""
         name, phase = owner
         record = self.records[name]
         counter = record.forward_ops if phase == "forward" else record.backward_ops
@@ -472,7 +486,6 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
             record.gemms[phase] += 1
             if fp8:
                 record.fp8_gemms[phase] += 1
-        return out
 
     def _weighs(self, name: str, operands: list[torch.Tensor]) -> bool:
         """Whether a GEMM multiplies by the module's own weight (a Linear's, a Conv1D's), not
@@ -490,6 +503,11 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if t.untyped_storage().data_ptr() in own:
                     return True
         return False
+
+
+def _operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors an op is given directly (a GEMM's operands)."""
+    return [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
 
 
 class _AutocastState(TorchFunctionMode):
@@ -582,11 +600,7 @@ class audit:
         tracker = self._tracker = ModuleTracker(names, recorder.enter, recorder.exit,
                                                 recorder.region)
         tracker.__enter__()
-        for module in names:
-            for pname, p in module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                        _grad_recorder(records[names[module]], pname)))
+        self._record_grads(names, records)
         self._modes = [_AutocastState(tracker, records),
                        _OpDtypes(tracker, records, {n: m for m, n in names.items()},
                                  [n for n, e in self.plan.items() if e.policy.gemm])]
@@ -597,6 +611,15 @@ class audit:
         self.report = AuditReport(self.plan, execution, records, installed)
         self._names = names
         return self.report
+
+    def _record_grads(self, names: dict[nn.Module, str], records: dict[str, ModuleRecord]
+                      ) -> None:
+        """A hook on each trainable parameter: the dtype its gradient accumulates in."""
+        for module in names:
+            for pname, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                        _grad_recorder(records[names[module]], pname)))
 
     def _watch_step(self, optimizer: torch.optim.Optimizer, names: dict[nn.Module, str],
                     records: dict[str, ModuleRecord]) -> None:
