@@ -1,12 +1,7 @@
-"""The complexity gate of `make lint`: no function above radon's cyclomatic complexity 15
-(which counts `and` and `or` too), except those in tools/complexity-baseline.txt, each at or
-below the score listed there.
+"""The complexity gate of `make lint`: no function or method above radon's cyclomatic
+complexity 15 (which counts `and` and `or` too, where ruff's C901 does not).
 
-The baseline is a ratchet: a listed function that rises fails, and so does an entry that is no
-longer needed (the function is gone or at 15 or below), so that the list only shrinks.
-
-Run: `python tools/complexity.py [PATH ...]` (default: precision_annot); `--write` rewrites
-the baseline from what is there now.
+Run: `python tools/complexity.py [PATH ...]` (default: precision_annot).
 """
 
 from __future__ import annotations
@@ -19,7 +14,6 @@ from radon.complexity import cc_visit
 
 LIMIT = 15
 ROOT = Path(__file__).resolve().parent.parent
-BASELINE = ROOT / "tools" / "complexity-baseline.txt"
 
 
 def scores(paths: list[Path]) -> dict[str, int]:
@@ -36,50 +30,17 @@ def scores(paths: list[Path]) -> dict[str, int]:
     return out
 
 
-def read_baseline(path: Path) -> dict[str, int]:
-    entries: dict[str, int] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip() and not line.startswith("#"):
-                name, score = line.rsplit(maxsplit=1)
-                entries[name] = int(score)
-    return entries
-
-
-def problems(found: dict[str, int], allowed: dict[str, int]) -> list[str]:
-    out = []
-    for name, score in sorted(found.items()):
-        if name not in allowed:
-            out.append(f"{name}: complexity {score}, above {LIMIT}: split it")
-        elif score > allowed[name]:
-            out.append(f"{name}: complexity {score}, up from {allowed[name]} in the baseline")
-    for name, score in sorted(allowed.items()):
-        if name not in found:
-            out.append(f"{name}: listed at {score} but now at {LIMIT} or below (or gone): "
-                       "remove it from the baseline")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path, default=[ROOT / "precision_annot"])
-    parser.add_argument("--baseline", type=Path, default=BASELINE)
-    parser.add_argument("--write", action="store_true", help="rewrite the baseline")
     args = parser.parse_args(argv)
     found = scores(args.paths)
-    if args.write:
-        args.baseline.write_text(
-            f"# functions above radon complexity {LIMIT}, each not to rise; the list only "
-            "shrinks (tools/complexity.py)\n"
-            + "".join(f"{name} {score}\n" for name, score in sorted(found.items())))
-        return 0
-    bad = problems(found, read_baseline(args.baseline))
-    for line in bad:
-        print(line, file=sys.stderr)
-    if not bad:
-        print(f"complexity: no function above {LIMIT} outside the baseline "
-              f"({len(found)} listed)")
-    return 1 if bad else 0
+    for name, score in sorted(found.items()):
+        print(f"{name}: complexity {score}, above {LIMIT}: split it into named steps",
+              file=sys.stderr)
+    if not found:
+        print(f"complexity: no function above {LIMIT}")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

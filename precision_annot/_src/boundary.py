@@ -40,6 +40,10 @@ _NULL = contextlib.nullcontext()
 
 # -- autocast and device --------------------------------------------------------------------------
 
+# read at every boundary call: bound once here (each dotted lookup costs on a hot path)
+_is_compiling = torch.compiler.is_compiling
+_profiler = torch.autograd.profiler
+
 _AUTOCAST_DEVICES: dict[str, bool] = {
     d: torch.amp.is_autocast_available(d)
     for d in ("cpu", "cuda", "meta", "xpu", "mps", "hpu", "xla", "mtia", "privateuseone")
@@ -513,7 +517,7 @@ class Boundary:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # first: Dynamo folds it, so it costs no guard
+        if _is_compiling():  # first: Dynamo folds it, so it costs no guard
             return self._compiled(args, kwargs)
         spec = self.spec
         if spec is None:
@@ -525,15 +529,18 @@ class Boundary:
             if self.guard:  # inside its model: the model's code has the last word
                 return self._run(*args, **kwargs)
         if not (self.fast and len(args) == 1 and not kwargs) or (
-                torch.autograd.profiler._is_profiler_enabled):
+                _profiler._is_profiler_enabled):
             return self._call(args, kwargs, spec)
         x = args[0]
         if not isinstance(x, torch.Tensor):
             return self._call(args, kwargs, spec)
-        # The fast path: one tensor in, the same rules as `_call` with the general cases
-        # taken out: the autocast state from autocast_context, the exit dtype from
-        # spec.target; the two casts are cast_tree's tensor case written out (calling it
-        # twice per crossing cost 0.04 more on benchmarks/overhead.py's chain).
+        return self._fast(x, spec)
+
+    def _fast(self, x: torch.Tensor, spec: BoundarySpec) -> Any:
+        """The fast path: one tensor in, the same rules as `_call` with the general cases
+        taken out: the autocast state from autocast_context, the exit dtype from spec.target;
+        the two casts are cast_tree's tensor case written out (calling it twice per crossing
+        cost 0.04 more on benchmarks/overhead.py's chain)."""
         compute = spec.compute
         cast = x.to(compute) if (compute is not None and x.dtype != compute
                                  and x.is_floating_point()) else x
@@ -548,13 +555,8 @@ class Boundary:
         except RuntimeError as e:
             self._explain(e)
             raise
-        if cast is not x:
-            try:
-                modified = cast._version > 0
-            except RuntimeError:  # an inference tensor has no version counter
-                modified = False
-            if modified:
-                self._warn_modified("argument 0")
+        if cast is not x and _modified(cast):
+            self._warn_modified("argument 0")
         target = spec.target(x.dtype if x.is_floating_point() else None)
         if isinstance(out, torch.Tensor):
             if target is not None and out.dtype != target and out.is_floating_point():
@@ -698,8 +700,23 @@ class Boundary:
         their planned dtypes (after `.half()`, `.to(dtype)`, `load_state_dict(assign=True)`)."""
         if isinstance(error, DriftError) or not self.planned or _sharded(self.module):
             return
+        drifted, swapped = self._drifted()
+        if not drifted:
+            return
+        spec = self.spec
+        assert spec is not None
+        more = f" (and {len(drifted) - 3} more)" if len(drifted) > 3 else ""
+        cause = self._drift_cause(swapped)
+        raise DriftError(
+            f"Module {spec.name or '(root)'!r} failed with tensors that are no longer in their "
+            f"planned dtypes: {'; '.join(drifted[:3])}{more}. {cause} The error was: {error}"
+        ) from error
+
+    def _drifted(self) -> tuple[list[str], bool]:
+        """The planned tensors no longer in their planned dtypes, said; and whether one is a
+        parameter that is not a Parameter (a tensor passed in for the call)."""
         drifted = []
-        swapped = False  # a parameter that is not a Parameter: a tensor someone passed in
+        swapped = False
         for item in self.planned:
             try:
                 owner = self.module.get_submodule(item.path)
@@ -711,33 +728,35 @@ class Boundary:
                 drifted.append(f"{where} is {dtype_name(tensor.dtype)}, planned "
                                f"{dtype_name(item.dtype)}")
                 swapped |= item.kind == "param" and not isinstance(tensor, nn.Parameter)
-        if not drifted:
-            return
-        spec = self.spec
-        assert spec is not None
-        more = f" (and {len(drifted) - 3} more)" if len(drifted) > 3 else ""
+        return drifted, swapped
+
+    def _drift_cause(self, swapped: bool) -> str:
+        """What most likely changed the dtypes, and the way back."""
         plan = getattr(self.owner, "plan", None)  # the AppliedState of the model
         root = plan.module("") if plan is not None else None
         if root is not None and _sharded(root):
-            cause = ("FSDP2 gathers the parameters of each unit in its MixedPrecisionPolicy's "
-                     "param_dtype, and this module's unit gathers them narrower than the plan "
-                     "has them. Shard with precision_annot.adapters.fsdp.fully_shard(model, "
-                     "plan), which gives each island a unit of its own; check(model, 'fsdp') "
-                     "names the units that differ.")
-        elif swapped:
-            cause = ("These tensors were passed in for this call (torch.func.functional_call, "
-                     "or a state swapped in), in other dtypes than the plan holds. Pass them "
-                     "in their planned dtypes, e.g. {name: t.to(dtype)} with each module's "
-                     "storage from precision_annot.applied_plan(model); the model itself is "
-                     "unchanged.")
-        else:
-            cause = ("Something changed them after apply (model.half(), model.to(dtype), "
-                     "load_state_dict(assign=True), ...). Call precision_annot.apply(model) "
-                     "again to restore the plan.")
-        raise DriftError(
-            f"Module {spec.name or '(root)'!r} failed with tensors that are no longer in their "
-            f"planned dtypes: {'; '.join(drifted[:3])}{more}. {cause} The error was: {error}"
-        ) from error
+            return ("FSDP2 gathers the parameters of each unit in its MixedPrecisionPolicy's "
+                    "param_dtype, and this module's unit gathers them narrower than the plan "
+                    "has them. Shard with precision_annot.adapters.fsdp.fully_shard(model, "
+                    "plan), which gives each island a unit of its own; check(model, 'fsdp') "
+                    "names the units that differ.")
+        if swapped:
+            return ("These tensors were passed in for this call (torch.func.functional_call, "
+                    "or a state swapped in), in other dtypes than the plan holds. Pass them "
+                    "in their planned dtypes, e.g. {name: t.to(dtype)} with each module's "
+                    "storage from precision_annot.applied_plan(model); the model itself is "
+                    "unchanged.")
+        return ("Something changed them after apply (model.half(), model.to(dtype), "
+                "load_state_dict(assign=True), ...). Call precision_annot.apply(model) "
+                "again to restore the plan.")
+
+
+def _modified(cast: torch.Tensor) -> bool:
+    """Whether the forward wrote into the copy the boundary cast its argument to."""
+    try:
+        return cast._version > 0
+    except RuntimeError:  # an inference tensor has no version counter
+        return False
 
 
 def _sharded(module: nn.Module) -> bool:
@@ -760,51 +779,69 @@ def keep_binding(
     index past its positional parameters (unless it takes *args)."""
     if not keep:
         return frozenset(), frozenset()
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    if method and params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                 inspect.Parameter.POSITIONAL_OR_KEYWORD):
-        params = params[1:]  # self
-    positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                                                  inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    by_name = {p.name: p for p in params if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
-                                                           inspect.Parameter.VAR_KEYWORD)}
-    takes_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-    takes_args = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+    signature = _Signature(fn, method)
     positions: set[int] = set()
     names: set[str] = set()
     for k in keep:
-        if isinstance(k, int):
-            if params and not takes_args and not -len(positional) <= k < len(positional):
-                raise ValueError(
-                    f"keep_dtype names position {k}, but {what} takes {len(positional)} "
-                    f"positional argument{'' if len(positional) == 1 else 's'} "
-                    f"({', '.join(repr(p.name) for p in positional) or 'none'}). Received: "
-                    f"keep_dtype={keep!r}"
-                )
-            positions.add(k)
-            index = k if k >= 0 else len(positional) + k
-            if 0 <= index < len(positional) and (
-                    positional[index].kind != inspect.Parameter.POSITIONAL_ONLY):
-                names.add(positional[index].name)
-            continue
-        param = by_name.get(k)
+        at, named = signature.index(k, what, keep) if isinstance(k, int) else signature.name(
+            k, what, keep)
+        positions |= at
+        names |= named
+    return frozenset(positions), frozenset(names)
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+class _Signature:
+    """The parameters of a forward, as `keep_binding` binds names and positions to them (none
+    known when it has no signature to read: every entry is taken as given)."""
+
+    def __init__(self, fn: Callable[..., Any], method: bool) -> None:
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        if method and params and params[0].kind in _POSITIONAL:
+            params = params[1:]  # self
+        self.known = bool(params)
+        self.positional = [p for p in params if p.kind in _POSITIONAL]
+        self.by_name = {p.name: p for p in params if p.kind not in _VARIADIC}
+        self.takes_kwargs = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+        self.takes_args = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+
+    def index(self, k: int, what: str, keep: tuple[str | int, ...]
+              ) -> tuple[set[int], set[str]]:
+        """A kept position, and the name it may also be passed by."""
+        positional = self.positional
+        if self.known and not self.takes_args and not -len(positional) <= k < len(positional):
+            raise ValueError(
+                f"keep_dtype names position {k}, but {what} takes {len(positional)} "
+                f"positional argument{'' if len(positional) == 1 else 's'} "
+                f"({', '.join(repr(p.name) for p in positional) or 'none'}). Received: "
+                f"keep_dtype={keep!r}"
+            )
+        index = k if k >= 0 else len(positional) + k
+        by_name = 0 <= index < len(positional) and (
+            positional[index].kind != inspect.Parameter.POSITIONAL_ONLY)
+        return {k}, {positional[index].name} if by_name else set()
+
+    def name(self, k: str, what: str, keep: tuple[str | int, ...]
+             ) -> tuple[set[int], set[str]]:
+        """A kept name, and the position it may also be passed at."""
+        param = self.by_name.get(k)
         if param is None:
-            if not takes_kwargs and params:
+            if not self.takes_kwargs and self.known:
                 raise ValueError(
                     f"keep_dtype names {k!r}, but {what} takes no argument of that name. "
-                    f"Valid names: {', '.join(repr(n) for n in by_name) or 'none'}. Received: "
-                    f"keep_dtype={keep!r}"
+                    f"Valid names: {', '.join(repr(n) for n in self.by_name) or 'none'}. "
+                    f"Received: keep_dtype={keep!r}"
                 )
-            names.add(k)
-            continue
-        if param.kind != inspect.Parameter.POSITIONAL_ONLY:
-            names.add(k)
-        if param in positional:
-            positions.add(positional.index(param))
-    return frozenset(positions), frozenset(names)
+            return set(), {k}
+        names = {k} if param.kind != inspect.Parameter.POSITIONAL_ONLY else set()
+        at = {self.positional.index(param)} if param in self.positional else set()
+        return at, names
 
 
 class RegionObserver(Protocol):
