@@ -3,8 +3,10 @@ transformers' own fp32 lists, and against plain autocast; and what `suggest` cos
 
 For each planted model and each method it prints the share of parameters kept in fp32, whether
 the plan holds on held-out batches the method did not see (finite, and outputs, loss and
-gradients within the tolerance), and for `suggest` its cost in fp32 training steps (its time
-over the time of one fp32 forward + backward on the same batch, in the same process).
+gradients within the tolerance), and for `suggest` its cost in fp32 training steps (its CPU
+time over the CPU time of one fp32 forward + backward on the same batch, in the same process,
+`time.process_time`: every thread of the process, so run it with OMP_NUM_THREADS=1 on a
+shared machine).
 
 - threshold: every module whose output reaches |x| > 512 in an fp32 run is kept in fp32 (the
   spirit of ModelOpt's AutoCast rule on outputs), handing back the low dtype;
@@ -188,9 +190,9 @@ def fp32_step_seconds(model: nn.Module, batch: Any, loss_fn: Callable[..., torch
     m = copy.deepcopy(model)
     times = []
     for _ in range(reps + 2):
-        start = time.perf_counter()
+        start = time.process_time()
         loss_fn(call(m, batch), batch).backward()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times[2:])
 
 
@@ -210,11 +212,11 @@ def main() -> None:
         step = fp32_step_seconds(model, sample, loss_fn, 5)
         costs, found = [], None
         for _ in range(reps):
-            start = time.perf_counter()
+            start = time.process_time()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 found = suggest(model, sample, low=LOW, loss_fn=loss_fn, tolerance=TOLERANCE)
-            costs.append((time.perf_counter() - start) / step)
+            costs.append((time.process_time() - start) / step)
         assert isinstance(found, Suggestion)
         planned = apply(copy.deepcopy(model), found.plan)
         rows = [("suggest", share(model, found.plan), planned,

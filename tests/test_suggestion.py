@@ -101,12 +101,13 @@ def test_an_overflowing_intermediate_is_kept_fp32_and_harmless_layers_stay_low()
     # wi overflows first; as an island its output overflows on the way out, so it hands back
     # fp32, which wo (pure fp16, no autocast) cannot take: the island moves up to its parent,
     # whose output fits fp16. No plan is run twice (pruning finds () already checked). Then
-    # each child of the island is tried in its place, handing back fp32: wo (wi was checked)
+    # the children of the island that may stand in for it are tried, handing back fp32: its
+    # own code overflows (relu of wi's output, in the fp32 run), so only wi, whose output
+    # that value was computed from, may; it was checked already, and wo is not tried
     calibration = [(c.islands, c.outputs, c.passed) for c in found.checks
                    if c.sample == "calibration"]
     assert calibration == [((), (), False), (("middle.wi",), (), False),
-                           (("middle.wi",), ("middle.wi",), False), (("middle",), (), True),
-                           (("middle.wo",), ("middle.wo",), False)]
+                           (("middle.wi",), ("middle.wi",), False), (("middle",), (), True)]
     assert found.checks[0].first_nonfinite == "middle.wi"
     assert "mat1 and mat2 must have the same dtype" in str(found.checks[2].crashed)
     assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
@@ -710,3 +711,60 @@ def test_batchnorm_runs_on_the_batchs_statistics_when_suggest_trains() -> None:
     assert torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     infers = suggest(model, x, low="fp16")
     assert infers.met and infers.islands and model.training  # the model itself is untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_watch_scan_counts_and_peaks_as_an_exact_pass_does(dtype: torch.dtype) -> None:
+    """The watched runs read one reduction per op when every value is finite; where one is
+    not, the count and the largest finite value are exact."""
+    from precision_annot._src.suggest.watch import _scan
+
+    big = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(64, generator=g), torch.zeros(0), torch.tensor([big, big, big]),
+             torch.tensor([1.0, math.inf, -3.0, math.nan]), torch.tensor([-math.inf] * 3),
+             torch.tensor([2.0 ** -140, -7.5, 0.0]), torch.tensor([math.nan, 5.0])]
+    for case in cases:
+        t = case.to(dtype)
+        finite = torch.isfinite(t)
+        want_bad = int((~finite).sum())
+        want_peak = float(t[finite].abs().max()) if bool(finite.any()) else 0.0
+        assert _scan(t, peaks=True) == (want_bad, want_peak), (dtype, case)
+        assert _scan(t, peaks=False)[0] == want_bad, (dtype, case)
+
+
+def test_only_the_children_an_overflow_was_computed_from_stand_in_for_their_island() -> None:
+    """`Gained` overflows in its own code, from wi's output: the watched fp32 run records
+    that (Reference.feeds), so stepping down tries wi in its place and never wo. Pruning and
+    stepping down need pass or fail only: no run after the first passing one is watched."""
+    torch.manual_seed(0)
+    model = Net(Gained())
+    found = suggest(model, sample(), low="fp16", loss_fn=mse)
+    assert found.met and found.islands == ["middle"]
+    tried = [c.islands for c in found.checks if c.sample == "calibration"]
+    assert ("middle.wi",) in tried and ("middle.wo",) not in tried
+    # two overflowing modules: pruning drops each in turn and fails with inf, unwatched
+    torch.manual_seed(0)
+    two = nn.Sequential(nn.Linear(8, 16), Gained(), nn.LayerNorm(16), Gained(),
+                        nn.Linear(16, 4))
+    for hot in (two[1], two[3]):
+        with torch.no_grad():
+            hot.wi.weight.mul_(16.0)  # relu(wi(x)) * GAIN well past 65504 in both
+    found = suggest(two, sample(), low="fp16", loss_fn=mse)
+    assert found.met and found.islands == ["1", "3"]
+    first_pass = next(i for i, c in enumerate(found.checks) if c.passed)
+    pruned = [c for c in found.checks[first_pass + 1:] if c.sample == "calibration"]
+    # ("3",), then ("3", "1.wi") and ("1", "3.wi"): each fails with inf, and none is watched
+    assert [c.islands for c in pruned if not c.finite] == [("3",), ("3", "1.wi"),
+                                                           ("1", "3.wi")]
+    assert all(c.first_nonfinite is None for c in pruned)
+    assert found.runs["checks (watched)"] == 3  # the choice's: () and ("1",), then ("1", "3")
+    # the record itself, from a watched fp32 run
+    from precision_annot._src.suggest.records import Sample
+    from precision_annot._src.suggest.reference import run_reference
+
+    reference = copy.deepcopy(model).float()
+    ref = run_reference(reference, (sample(),), {}, lambda out, _: mse(out),
+                        Sample("calibration", (sample(),), {}), feeds_above=65504.0)
+    # middle's own `* GAIN` from wi's output; wo's GEMM on that value, through middle's code
+    assert ref.feeds == {"middle": {"middle.wi"}, "middle.wo": {"middle.wi"}}

@@ -181,15 +181,38 @@ def _prune(search: Search, sample: Sample, islands: Islands, limit: float,
     for i, island in enumerate(order):
         progress.update("pruning", i, len(order))
         trial = {k: v for k, v in islands.items() if k != island}
-        if search.check(trial, sample, limit=limit).passed:
+        if search.check(trial, sample, limit=limit, find=False).passed:
             islands = trial
     islands = _step_down(search, sample, islands, limit, fixed)
-    for island in [k for k, v in islands.items() if v]:
+    for island in [k for k, v in islands.items() if v and not _overflows(search, sample, k)]:
         trial = {**islands, island: False}
-        if search.check(trial, sample, limit=limit).passed:
+        if search.check(trial, sample, limit=limit, find=False).passed:
             islands = trial
     progress.done()
     return islands
+
+
+def _overflows(search: Search, sample: Sample, island: str) -> bool:
+    """The island's output, as the fp32 run recorded it, is twice what the low dtype holds:
+    handed back in it, it is inf, so no check is needed to know that it must hand back fp32.
+    (Read only where that run was watched already.)"""
+    ref = sample.ref
+    low = search.policy.compute
+    if ref is None or low is None or island not in ref.outputs:
+        return False
+    return finite_peak(ref.outputs[island]) >= 2 * torch.finfo(low).max
+
+
+def _rescuers(search: Search, sample: Sample, name: str) -> list[str]:
+    """The children of island `name` that may stand in for it. Where its own code made a
+    value past the low dtype's largest (as the fp32 run recorded), a child handing back fp32
+    can keep that value in fp32 only if the value was computed from the child's output: the
+    others fail for sure and are not tried."""
+    kids = _children(search.structure, name)
+    ref = sample.ref
+    if ref is None or name not in ref.feeds:
+        return kids
+    return [k for k in kids if k in ref.feeds[name]]
 
 
 def _children(structure: PrecisionPlan, name: str) -> list[str]:
@@ -212,11 +235,12 @@ def _step_down(search: Search, sample: Sample, islands: Islands, limit: float,
     for island in [i for i in islands if i not in fixed]:
         current = island
         while True:
-            kids = sorted(_children(search.structure, current),
+            kids = sorted(_rescuers(search, sample, current),
                           key=lambda n: search.sizes.get(n, 0))
             rest = {k: v for k, v in islands.items() if k != current}
             found = next((kid for kid in kids if search.sizes.get(kid, 0) < search.sizes.get(
-                current, 0) and search.check({**rest, kid: True}, sample, limit=limit).passed),
+                current, 0) and search.check({**rest, kid: True}, sample, limit=limit,
+                                            find=False).passed),
                 None)
             if found is None:
                 break

@@ -161,11 +161,12 @@ def suggest(
         islands, message = verify(search, others, islands, message, why, tables.on, bar,
                                   frozenset(speed), losses, reference)
         islands = search.held_together(islands)
-        held = [search.check(islands, b, limit=tolerance) for b in others if b.light]
+        held = [search.check(islands, b, limit=tolerance, find=False)
+                for b in others if b.light]
         if measure:
             tables.on(calib)()
         final = search.check(islands, calib, limit=tolerance * (
-            float(margin) if search.settled is None else 1.0))
+            float(margin) if search.settled is None else 1.0), find=False)
     # 4. report
     met, message, islands = outcome(search, islands, message, final, held, speed, why)
     verified = bool(held) and rows >= MIN_ROWS

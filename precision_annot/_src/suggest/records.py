@@ -24,6 +24,9 @@ class Reference:
     peaks: dict[str, float]
     backward_peak: float
     nonfinite: Counts
+    #: for each module whose own code made a value past the low dtype's largest, the modules
+    #: whose outputs that value was computed from (watched runs only)
+    feeds: dict[str, set[str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass

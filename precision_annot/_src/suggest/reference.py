@@ -84,7 +84,8 @@ def require_finite_reference(ref: Reference) -> None:
 
 
 def run_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-               loss_fn: LossFn | None, sample: Sample, *, watch: bool = True) -> Reference:
+                  loss_fn: LossFn | None, sample: Sample, *, watch: bool = True,
+                  feeds_above: float | None = None) -> Reference:
     """The fp32 run plans are compared with. Watched (`watch`), it records every module's
     first inputs and output, the peak its own ops produce and the non-finite values each makes;
     unwatched (the first run, and each held-out batch's), only the output, loss, gradients and
@@ -96,21 +97,22 @@ def run_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
     def enter(name: str, module: nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> None:
         if name not in inputs:  # an argument that cannot be copied: the module is not measured
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), mode.pause():
                 inputs[name] = (detached(a), detached(k))
 
     def leave(name: str, module: nn.Module, output: Any) -> None:
+        mode.returned(name, output)
         if name not in outputs:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), mode.pause():
                 outputs[name] = detached(output)
 
     names = {m: n for n, m in model.named_modules()}
     tracker = ModuleTracker(names, enter, leave)
-    mode = Watch(tracker, peaks=True)
+    mode = Watch(tracker, peaks=True, feeds_above=feeds_above)
     with tracker, mode:
         output, loss = _reference_step(model, args, kwargs, loss_fn, sample)
     return Reference(detached(output), loss, _take_gradients(model), inputs, outputs,
-                      mode.peaks, mode.backward_peak, mode.counts)
+                     mode.peaks, mode.backward_peak, mode.counts, mode.feeds)
 
 
 def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

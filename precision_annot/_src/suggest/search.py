@@ -69,8 +69,11 @@ class Search:
     def full(self, sample: Sample) -> Reference:
         """The watched reference of `sample`, run once, when a check or a choice needs it."""
         if sample.ref is None:
-            sample.ref = run_reference(self.reference, copy.deepcopy(sample.args),
-                                    copy.deepcopy(sample.kwargs), self.loss_fn, sample)
+            low = self.policy.compute
+            sample.ref = run_reference(
+                self.reference, copy.deepcopy(sample.args), copy.deepcopy(sample.kwargs),
+                self.loss_fn, sample, feeds_above=None if low is None else float(
+                    torch.finfo(low).max))
             self.runs["fp32 watched"] += 1
         return sample.ref
 
@@ -82,22 +85,30 @@ class Search:
                 seen.update(own)
         return sum(seen.values())
 
-    def check(self, islands: Islands, sample: Sample, *, limit: float) -> Check:
+    def check(self, islands: Islands, sample: Sample, *, limit: float, find: bool = True
+              ) -> Check:
+        """The plan with `islands` run on `sample` and held to `limit`, once per batch (a run
+        held to another limit is read again). With `find`, a run that fails with a non-finite
+        value is watched op by op to name the module where it first arose (what the choice
+        of the next island needs); without, pass or fail is all the caller reads (pruning,
+        stepping down), and no run is watched."""
         islands = self.held_together(islands)
         key = (islands_key(islands), sample.label, limit)
         found = self.memo.get(key) or next(
             (c for (k, label, _), c in self.memo.items() if k == key[0] and label == key[1]),
             None)
-        if found is not None:  # the same run held to another limit: its errors stand
+        if found is not None and not (find and _unplaced(found)):
             return found if found.limit == limit else held_to(found, limit)
         assert sample.light is not None
         # a run is watched (every op, to find where a non-finite value arises) only when it
         # fails with one; after one did, the next on the same batch is watched at once
-        result = run_check(self, islands, sample, limit, watch=self.watching == sample.label)
-        if result.first_nonfinite is None and not result.finite and result.crashed is None \
-                and self.watching != sample.label:
+        # (a run seen before without being watched is run again, watched)
+        watching = find and (found is not None or self.watching == sample.label)
+        result = run_check(self, islands, sample, limit, watch=watching)
+        if find and _unplaced(result) and not watching:
             result = run_check(self, islands, sample, limit, watch=True)  # find where
-        self.watching = sample.label if not result.finite else None
+        if find:
+            self.watching = sample.label if not result.finite else None
         self.memo[key] = result
         self.path.append(result)
         return result
@@ -105,6 +116,11 @@ class Search:
     def plan(self, islands: Islands, modules: dict[str, nn.Module] | None = None,
              structure: PrecisionPlan | None = None) -> PrecisionPlan:
         return plan_for(structure or self.structure, self.policy, islands, modules, self.island)
+
+
+def _unplaced(check: Check) -> bool:
+    """A run that failed with a non-finite value, not watched to say where it arose."""
+    return check.first_nonfinite is None and not check.finite and check.crashed is None
 
 
 def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,

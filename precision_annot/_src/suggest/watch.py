@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import math
+import weakref
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -28,7 +32,7 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """
 
     def __init__(self, tracker: ModuleTracker, *, peaks: bool = False,
-                 baseline: Counts | None = None) -> None:
+                 baseline: Counts | None = None, feeds_above: float | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.tracker = tracker
         self.track_peaks = peaks
@@ -37,46 +41,111 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.backward_peak = 0.0
         self.counts: Counts = {}
         self.first_nonfinite: str | None = None
+        #: with `feeds_above`: for each module whose own code (in forward) made a value above
+        #: it, the modules whose outputs that value was computed from (a tensor is tagged with
+        #: the module that returned it, and the tag follows it through the ops of the code
+        #: that uses it)
+        self.feeds_above = feeds_above
+        self.feeds: dict[str, set[str]] = {}
+        self._sources: dict[int, tuple[weakref.ref[torch.Tensor], frozenset[str]]] = {}
+        self.paused = False
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Ops run inside are not the model's (the copies a reference run keeps of inputs
+        and outputs): not booked to the module they run under."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+    def returned(self, name: str, output: Any) -> None:
+        """`name`'s forward returned `output`: its tensors are tagged as coming from it."""
+        if self.feeds_above is not None:
+            leaves: list[torch.Tensor] = []
+            floating_leaves(output, leaves)
+            for t in leaves:
+                self._sources[id(t)] = (weakref.ref(t), frozenset({name}))
+
+    def _from(self, args: Any, kwargs: Any) -> frozenset[str]:
+        """The modules the tensors an op is given were computed from."""
+        leaves: list[torch.Tensor] = []
+        floating_leaves((args, kwargs), leaves)
+        found: frozenset[str] = frozenset()
+        for t in leaves:
+            entry = self._sources.get(id(t))
+            if entry is not None and entry[0]() is t:
+                found |= entry[1]
+        return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func.is_view:
+        if self.paused:  # the watcher's own copies
+            return out
+        tracing = self.feeds_above is not None and torch._C._current_graph_task_id() == -1
+        sources = self._from(args, kwargs) if tracing else frozenset()
+        if func.is_view and not sources:
             return out
         results: list[torch.Tensor] = []
         floating_leaves(out, results)
         results = [t for t in results if t.dtype not in FP8_DATA  # fp8 GEMMs' scaled data
                    and not is_traceable_wrapper_subclass(t)]
-        if not results:
+        for t in results if sources else ():  # the tag follows the value, views included
+            self._sources[id(t)] = (weakref.ref(t), sources)
+        if func.is_view or not results:
             return out
         owner = self.tracker.owner()
         backward = torch._C._current_graph_task_id() != -1
         name, phase = owner if owner is not None else (
             OUTSIDE, "backward" if backward else "forward")
         packet = func.overloadpacket.__name__
-        if packet == "_to_copy" or packet not in DATA_MOVEMENT:
-            self._count(name, phase, results)
+        counted = packet == "_to_copy" or packet not in DATA_MOVEMENT
+        if not (counted or self.track_peaks):
+            return out
+        bad, peak = 0, 0.0
+        for t in results:
+            n, top = _scan(t.detach(), self.track_peaks)
+            bad, peak = bad + n, max(peak, top)
+        if counted and bad:
+            self._count(name, phase, bad)
         if self.track_peaks:
-            self._peak(name, phase, owner is not None, results)
+            self._peak(name, phase, owner is not None, peak)
+        if tracing and owner is not None and peak > cast(float, self.feeds_above):
+            # (no sources: made from the module's own inputs and weights alone)
+            self.feeds.setdefault(name, set()).update(sources)
         return out
 
-    def _count(self, name: str, phase: str, results: list[torch.Tensor]) -> None:
+    def _count(self, name: str, phase: str, bad: int) -> None:
         """Book the non-finite elements an op of `name` made; the first module past the
         baseline's count is the culprit."""
-        bad = sum(int((~torch.isfinite(t)).sum()) for t in results)
-        if not bad:
-            return
         key = (name, phase)
         self.counts[key] = self.counts.get(key, 0) + bad
         if (self.baseline is not None and self.first_nonfinite is None
                 and self.counts[key] > self.baseline.get(key, 0)):
             self.first_nonfinite = name
 
-    def _peak(self, name: str, phase: str, owned: bool, results: list[torch.Tensor]) -> None:
+    def _peak(self, name: str, phase: str, owned: bool, peak: float) -> None:
         """Book the largest finite |value| of an op: per module in forward, one for backward."""
-        finite = [t.detach()[torch.isfinite(t.detach())] for t in results]
-        peak = max((float(t.abs().max()) for t in finite if t.numel()), default=0.0)
         if phase == "forward" and owned:
             self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
         elif phase == "backward":
             self.backward_peak = max(self.backward_peak, peak)
+
+
+def _scan(t: torch.Tensor, peaks: bool) -> tuple[int, float]:
+    """The non-finite elements of `t` and (with `peaks`) its largest finite |value|. One
+    reduction and one read when every element is finite (the common case: a sum, or the
+    largest |value| itself, is then finite); the exact count only where it is not."""
+    if not t.numel():
+        return 0, 0.0
+    probe = float(t.abs().amax()) if peaks else float(t.sum(dtype=torch.float32))
+    if math.isfinite(probe):
+        return 0, probe if peaks else 0.0
+    finite = torch.isfinite(t)
+    bad = t.numel() - int(finite.sum())
+    if not peaks:
+        return bad, 0.0
+    kept = t[finite]
+    return bad, float(kept.abs().amax()) if kept.numel() else 0.0
