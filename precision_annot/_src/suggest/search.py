@@ -94,9 +94,7 @@ class Search:
         stepping down), and no run is watched."""
         islands = self.held_together(islands)
         key = (islands_key(islands), sample.label, limit)
-        found = self.memo.get(key) or next(
-            (c for (k, label, _), c in self.memo.items() if k == key[0] and label == key[1]),
-            None)
+        found = self._seen(key)
         if found is not None and not (find and _unplaced(found)):
             return found if found.limit == limit else held_to(found, limit)
         assert sample.light is not None
@@ -112,6 +110,12 @@ class Search:
         self.memo[key] = result
         self.path.append(result)
         return result
+
+    def _seen(self, key: tuple[Any, ...]) -> Check | None:
+        """The run of these islands on this batch, held to this limit or another."""
+        return self.memo.get(key) or next(
+            (c for (k, label, _), c in self.memo.items() if k == key[0] and label == key[1]),
+            None)
 
     def plan(self, islands: Islands, modules: dict[str, nn.Module] | None = None,
              structure: PrecisionPlan | None = None) -> PrecisionPlan:

@@ -88,22 +88,26 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         sources = self._from(args, kwargs) if tracing else frozenset()
         if func.is_view and not sources:
             return out
-        results: list[torch.Tensor] = []
-        floating_leaves(out, results)
-        results = [t for t in results if t.dtype not in FP8_DATA  # fp8 GEMMs' scaled data
-                   and not is_traceable_wrapper_subclass(t)]
+        results = _results(out)
         for t in results if sources else ():  # the tag follows the value, views included
             self._sources[id(t)] = (weakref.ref(t), sources)
         if func.is_view or not results:
             return out
+        packet = func.overloadpacket.__name__
+        counted = packet == "_to_copy" or packet not in DATA_MOVEMENT
+        if counted or self.track_peaks:
+            self._book(results, counted, sources if tracing else None)
+        return out
+
+    def _book(self, results: list[torch.Tensor], counted: bool,
+              sources: frozenset[str] | None) -> None:
+        """One op's results, booked to the module whose own code ran it: its non-finite
+        elements (`counted`), its peak, and (`sources`, forward with `feeds_above`) the
+        modules a value past `feeds_above` was computed from."""
         owner = self.tracker.owner()
         backward = torch._C._current_graph_task_id() != -1
         name, phase = owner if owner is not None else (
             OUTSIDE, "backward" if backward else "forward")
-        packet = func.overloadpacket.__name__
-        counted = packet == "_to_copy" or packet not in DATA_MOVEMENT
-        if not (counted or self.track_peaks):
-            return out
         bad, peak = 0, 0.0
         for t in results:
             n, top = _scan(t.detach(), self.track_peaks)
@@ -112,10 +116,9 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._count(name, phase, bad)
         if self.track_peaks:
             self._peak(name, phase, owner is not None, peak)
-        if tracing and owner is not None and peak > cast(float, self.feeds_above):
+        if sources is not None and owner is not None and peak > cast(float, self.feeds_above):
             # (no sources: made from the module's own inputs and weights alone)
             self.feeds.setdefault(name, set()).update(sources)
-        return out
 
     def _count(self, name: str, phase: str, bad: int) -> None:
         """Book the non-finite elements an op of `name` made; the first module past the
@@ -132,6 +135,14 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.peaks[name] = max(self.peaks.get(name, 0.0), peak)
         elif phase == "backward":
             self.backward_peak = max(self.backward_peak, peak)
+
+
+def _results(out: Any) -> list[torch.Tensor]:
+    """The floating tensors an op made, but fp8 GEMMs' scaled data and tensor subclasses."""
+    results: list[torch.Tensor] = []
+    floating_leaves(out, results)
+    return [t for t in results if t.dtype not in FP8_DATA
+            and not is_traceable_wrapper_subclass(t)]
 
 
 def _scan(t: torch.Tensor, peaks: bool) -> tuple[int, float]:
