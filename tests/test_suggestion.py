@@ -768,3 +768,51 @@ def test_only_the_children_an_overflow_was_computed_from_stand_in_for_their_isla
                         Sample("calibration", (sample(),), {}), feeds_above=65504.0)
     # middle's own `* GAIN` from wi's output; wo's GEMM on that value, through middle's code
     assert ref.feeds == {"middle": {"middle.wi"}, "middle.wo": {"middle.wi"}}
+
+
+def test_tiny_fp16_gradients_are_checked_at_the_loss_scale_a_settled_gradscaler_reaches() -> None:
+    """A loss in tiny units (here scaled by 1e-12): every fp32 gradient is about 1e-12. Capped
+    at 2**24, the checks' loss scale left the fp16 gradients subnormal (gradient error 0.13,
+    met=False with every module an island) although the plan trains: a GradScaler doubles
+    its scale until gradients overflow. suggest scales as high as the gradients allow, says
+    at what scale, and that scale trains the plan as fp32 trains."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.LayerNorm(16),
+                          nn.Linear(16, 4))
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1))
+
+    def tiny(out: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean() * 1e-12
+
+    found = suggest(model, x, low="16-mixed", loss_fn=tiny)
+    assert found.met and found.islands == []
+    assert found.loss_scale is not None and found.loss_scale >= 2.0 ** 40
+    bits = round(math.log2(found.loss_scale))
+    assert f"GradScaler(init_scale=2.0**{bits})" in found.message
+    assert json.loads(found.to_json())["loss_scale"] == found.loss_scale
+    assert suggest(model, x, low="bf16", loss_fn=tiny).loss_scale is None
+
+    def train(planned: nn.Module, scaler: torch.amp.GradScaler | None) -> list[float]:
+        opt = torch.optim.SGD(planned.parameters(), lr=1e10)  # a step of ~1e-2 from 1e-12
+        losses = []
+        for _ in range(10):
+            opt.zero_grad(set_to_none=True)
+            loss = tiny(planned(x))
+            losses.append(float(loss.detach()))
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        return losses
+
+    want = train(copy.deepcopy(model), None)
+    got = train(apply(copy.deepcopy(model), found.plan),
+                torch.amp.GradScaler("cpu", init_scale=found.loss_scale))
+    assert want[-1] < 0.5 * want[0]  # fp32 trains
+    assert all(abs(g - w) <= 2e-2 * w for g, w in zip(got, want, strict=True))
+    # at the default 2**16 the scaled gradients flush to zero in fp16: nothing moves
+    stuck = train(apply(copy.deepcopy(model), found.plan), torch.amp.GradScaler("cpu"))
+    assert stuck[-1] == pytest.approx(stuck[0], rel=1e-3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from precision_annot._src.suggest.choose import WORTH
@@ -75,3 +76,28 @@ def unverified(rows: int) -> str:
                                f"fewer than {MIN_ROWS}" if rows < MIN_ROWS
                                else "no held-out batch checked it")
             + ", so the plan has not been shown to hold on data it was not chosen on.")
+
+
+#: torch.amp.GradScaler's initial loss scale
+DEFAULT_INIT_SCALE = 2.0 ** 16
+
+
+def scale_advice(scale: float) -> str:
+    """The loss scale the fp16 checks needed, when a GradScaler takes long to grow there."""
+    bits = round(math.log2(scale))
+    steps = (bits - 16) * 2000
+    return (f" The fp16 checks ran at a loss scale of 2**{bits}: this model's gradients are "
+            f"small, and at GradScaler's initial 2**16 they flush to zero in fp16 until the "
+            f"scaler has doubled its way there (every 2,000 steps without overflow: about "
+            f"{steps:,} steps). Start it there: GradScaler(init_scale=2.0**{bits}).")
+
+
+def notes(met: bool, verified: bool, rows: int, loss_scale: float | None) -> str:
+    """What a met plan's message adds: that it is unverified, and the loss scale to start a
+    GradScaler at when the default is far below it."""
+    if not met:
+        return ""
+    out = "" if verified else unverified(rows)
+    if loss_scale is not None and loss_scale > DEFAULT_INIT_SCALE * 2 ** 8:
+        out += scale_advice(loss_scale)
+    return out

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.casting import map_tree
+from precision_annot._src.dtypes import fp16
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_module
 from precision_annot._src.policy import Policy, SpecLike
@@ -33,7 +34,7 @@ from precision_annot._src.suggest.constants import (
 )
 from precision_annot._src.suggest.low import low_policies, speed_islands, warn_no_fp8_gain
 from precision_annot._src.suggest.measure import measure_modules
-from precision_annot._src.suggest.outcome import outcome, unverified, warn_small
+from precision_annot._src.suggest.outcome import notes, outcome, warn_small
 from precision_annot._src.suggest.progress import Progress
 from precision_annot._src.suggest.records import LossFn, Sample
 from precision_annot._src.suggest.reference import (
@@ -170,8 +171,8 @@ def suggest(
     # 4. report
     met, message, islands = outcome(search, islands, message, final, held, speed, why)
     verified = bool(held) and rows >= MIN_ROWS
-    if met and not verified:
-        message += unverified(rows)
+    loss_scale = search.scale if low_dtype == fp16 else None
+    message += notes(met, verified, rows, loss_scale)
     if not met:
         warnings.warn(f"suggest: {message}", UserWarning, stacklevel=2)
     return Suggestion(islands=islands, plan=search.plan(islands, dict(model.named_modules()),
@@ -180,7 +181,7 @@ def suggest(
                       final=final, held_out=held, met=met, low=policy, tolerance=tolerance,
                       margin=float(margin), seconds=time.perf_counter() - start,
                       message=message, reasons=why, kept_for_speed=speed, island=island,
-                      runs=dict(search.runs), verified=verified)
+                      runs=dict(search.runs), verified=verified, loss_scale=loss_scale)
 
 
 def _tolerance(policy: Policy, tolerance: float | None, margin: float) -> float:

@@ -205,8 +205,14 @@ def fp32_copy(model: nn.Module, training: bool) -> nn.Module:
 
 
 def first_scale(low: torch.dtype, ref: Reference) -> float:
-    """The loss scale fp16 checks start from: the largest power of two (up to 2**24) that
-    keeps the fp32 run's largest gradient in fp16; 1 for other dtypes."""
+    """The loss scale fp16 checks start from: the largest power of two (up to 2**64) that
+    keeps the fp32 run's largest gradient in fp16; 1 for other dtypes. A GradScaler has no
+    ceiling: it doubles its scale after every `growth_interval` steps without overflow, so a
+    model whose gradients are all tiny trains at a scale far above its initial 2**16."""
     if low != fp16 or ref.backward_peak <= 0:
         return 1.0
-    return float(2.0 ** max(0, min(24, math.floor(math.log2(65504 / ref.backward_peak)))))
+    return float(2.0 ** max(0, min(MAX_SCALE_BITS, math.floor(
+        math.log2(65504 / ref.backward_peak)))))
+
+
+MAX_SCALE_BITS = 64

@@ -146,6 +146,10 @@ class Suggestion:
         runs: what `suggest` ran, by kind: fp32 reference steps, checks (a step in the low
             dtype each), backward passes (a retry when fp16 gradients overflow the loss
             scale), watched runs, modules run alone.
+        loss_scale: the loss scale the fp16 checks' backward ran at, as a `GradScaler` that
+            has settled scales (the largest power of two that keeps the gradients finite);
+            None for other dtypes. Start a GradScaler there (`init_scale=`) when it is far
+            above the default 2**16.
         seconds: how long `suggest` took.
     """
 
@@ -153,7 +157,8 @@ class Suggestion:
                  checks: list[Check], final: Check, held_out: list[Check], met: bool,
                  low: Policy, tolerance: float, margin: float, seconds: float, message: str,
                  reasons: dict[str, str], kept_for_speed: list[str], island: Policy,
-                 runs: dict[str, int] | None = None, verified: bool = True) -> None:
+                 runs: dict[str, int] | None = None, verified: bool = True,
+                 loss_scale: float | None = None) -> None:
         self.islands = [i for i in islands if i not in kept_for_speed]
         self.outputs = [i for i, out in islands.items() if out]
         text = "bf16" if island.compute == bf16 and island.storage != bf16 else "fp32"
@@ -175,6 +180,7 @@ class Suggestion:
         self.kept_for_speed = kept_for_speed
         self.runs = runs or {}
         self.verified = verified
+        self.loss_scale = loss_scale
 
     @property
     def worst(self) -> Check:
@@ -252,6 +258,7 @@ class Suggestion:
             "margin": self.margin,
             "met": self.met,
             "verified": self.verified,
+            "loss_scale": self.loss_scale,
             "message": self.message,
             "islands": self.islands,
             "output_fp32": self.outputs,
