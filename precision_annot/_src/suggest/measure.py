@@ -15,7 +15,7 @@ from precision_annot._src.policy import Policy
 from precision_annot._src.runtime import apply
 from precision_annot._src.suggest.compare import relative_error
 from precision_annot._src.suggest.constants import FP16_SMALLEST, SEED
-from precision_annot._src.suggest.plans import uniform_plan
+from precision_annot._src.suggest.plans import runnable_copy, uniform_plan
 from precision_annot._src.suggest.progress import Progress
 from precision_annot._src.suggest.records import Reference
 from precision_annot._src.suggest.report import Sensitivity
@@ -74,7 +74,7 @@ def _alone(module: nn.Module, name: str, ref: Reference, structure: PrecisionPla
         model_type=type(module).__qualname__)
     args, kwargs = ref.inputs[name]
     try:
-        sub = copy.deepcopy(module)
+        sub = runnable_copy(module, policy)
         apply(sub, uniform_plan(sub_structure, policy))
         names = {m: n for n, m in sub.named_modules()}
         tracker = ModuleTracker(names)

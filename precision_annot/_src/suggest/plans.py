@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from torch import nn
@@ -20,6 +21,18 @@ def islands_key(islands: Islands) -> tuple[tuple[str, bool], ...]:
 
 def covering(name: str, islands: Islands) -> str | None:
     return next((i for i in islands if name == i or name.startswith(i + ".")), None)
+
+
+def runnable_copy(module: nn.Module, policy: Policy) -> nn.Module:
+    """A copy of (part of) the fp32 reference to apply a candidate plan to and run: its
+    parameters shared with the reference where `apply` leaves them as they are (the plan
+    stores what it does not keep in fp32 in fp32 too, as the "-mixed" and fp8 policies do),
+    everything else copied. A copy of every parameter costs as much as a step of a small
+    model; the runs take no optimizer step, and their gradients are cleared after each."""
+    if policy.storage not in (None, fp32):
+        return copy.deepcopy(module)
+    shared = {id(p): p for p in module.parameters()}
+    return copy.deepcopy(module, shared)
 
 
 def uniform_plan(structure: PrecisionPlan, policy: Policy) -> PrecisionPlan:

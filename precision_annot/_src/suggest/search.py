@@ -17,7 +17,13 @@ from precision_annot._src.policy import Policy
 from precision_annot._src.runtime import apply
 from precision_annot._src.suggest.compare import relative_error
 from precision_annot._src.suggest.constants import SEED
-from precision_annot._src.suggest.plans import Islands, covering, islands_key, plan_for
+from precision_annot._src.suggest.plans import (
+    Islands,
+    covering,
+    islands_key,
+    plan_for,
+    runnable_copy,
+)
 from precision_annot._src.suggest.records import LossFn, Reference, Sample
 from precision_annot._src.suggest.reference import run_reference
 from precision_annot._src.suggest.report import Check
@@ -131,7 +137,7 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
               watch: bool) -> Check:
     """Run the plan with `islands` on `sample` (watched: every op, for where a non-finite
     value first arises) and compare with the fp32 run."""
-    model = copy.deepcopy(search.reference)
+    model = runnable_copy(search.reference, search.policy)
     apply(model, search.plan(islands))
     search.runs["checks (watched)" if watch else "checks"] += 1
     tracker = ModuleTracker({m: n for n, m in model.named_modules()})
@@ -146,6 +152,8 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
         crashed = f"{type(e).__name__}: {e}"[:300]
         errors[0] = math.inf
         errors[1] = None if errors[1] is None else math.inf
+    finally:
+        model.zero_grad(set_to_none=True)  # parameters may be the reference's own
     output_error, loss_error, grad_error = errors
     assert output_error is not None
     passed = all(math.isfinite(e) and e <= limit for e in errors if e is not None)
