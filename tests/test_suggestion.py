@@ -717,7 +717,7 @@ def test_batchnorm_runs_on_the_batchs_statistics_when_suggest_trains() -> None:
 def test_watch_scan_counts_and_peaks_as_an_exact_pass_does(dtype: torch.dtype) -> None:
     """The watched runs read one reduction per op when every value is finite; where one is
     not, the count and the largest finite value are exact."""
-    from precision_annot._src.suggest.watch import _scan
+    from precision_annot._src.suggest.watch import scan
 
     big = torch.finfo(dtype).max
     g = torch.Generator().manual_seed(0)
@@ -729,8 +729,8 @@ def test_watch_scan_counts_and_peaks_as_an_exact_pass_does(dtype: torch.dtype) -
         finite = torch.isfinite(t)
         want_bad = int((~finite).sum())
         want_peak = float(t[finite].abs().max()) if bool(finite.any()) else 0.0
-        assert _scan(t, peaks=True) == (want_bad, want_peak), (dtype, case)
-        assert _scan(t, peaks=False)[0] == want_bad, (dtype, case)
+        assert scan(t, peaks=True) == (want_bad, want_peak), (dtype, case)
+        assert scan(t, peaks=False)[0] == want_bad, (dtype, case)
 
 
 def test_only_the_children_an_overflow_was_computed_from_stand_in_for_their_island() -> None:

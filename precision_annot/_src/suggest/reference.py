@@ -17,7 +17,7 @@ from precision_annot._src.runtime import remove
 from precision_annot._src.suggest.compare import detached, relative_error
 from precision_annot._src.suggest.constants import SEED
 from precision_annot._src.suggest.records import LossFn, Reference, Sample
-from precision_annot._src.suggest.watch import Watch
+from precision_annot._src.suggest.watch import Watch, scan
 from precision_annot._src.tracking import ModuleTracker
 
 
@@ -120,9 +120,7 @@ def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     peak = [0.0]
 
     def on_grad(grad: torch.Tensor) -> None:
-        finite = grad[torch.isfinite(grad)]
-        if finite.numel():
-            peak[0] = max(peak[0], float(finite.abs().max()))
+        peak[0] = max(peak[0], scan(grad.detach(), peaks=True)[1])
 
     def hook(_: nn.Module, __: Any, out: Any) -> None:
         leaves: list[torch.Tensor] = []

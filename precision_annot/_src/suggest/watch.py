@@ -110,7 +110,7 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
             OUTSIDE, "backward" if backward else "forward")
         bad, peak = 0, 0.0
         for t in results:
-            n, top = _scan(t.detach(), self.track_peaks)
+            n, top = scan(t.detach(), self.track_peaks)
             bad, peak = bad + n, max(peak, top)
         if counted and bad:
             self._count(name, phase, bad)
@@ -145,7 +145,7 @@ def _results(out: Any) -> list[torch.Tensor]:
             and not is_traceable_wrapper_subclass(t)]
 
 
-def _scan(t: torch.Tensor, peaks: bool) -> tuple[int, float]:
+def scan(t: torch.Tensor, peaks: bool) -> tuple[int, float]:
     """The non-finite elements of `t` and (with `peaks`) its largest finite |value|. One
     reduction and one read when every element is finite (the common case: a sum, or the
     largest |value| itself, is then finite); the exact count only where it is not."""
