@@ -153,6 +153,11 @@ def suggest(
                         first_scale(low_dtype, calib.light), tolerance, float(margin),
                         ties_of(reference), sizes_of(reference))
         search.runs.update({"fp32": 1, "fp32 forward (determinism)": 1})
+        if calib.light.output_peak >= torch.finfo(low_dtype).max:
+            # a module's fp32 output is past what the low dtype holds: the first check will
+            # most likely fail with inf, and the choice then needs to know where, so it is
+            # watched at once rather than run twice
+            search.watching = calib.label
         speed = _kept_for_speed(reference, policy, low)
         tables = _Tables(search, bar)
         # 2. choose on the calibration batch, 3. verify on the held-out ones

@@ -27,6 +27,8 @@ class Reference:
     #: for each module whose own code made a value past the low dtype's largest, the modules
     #: whose outputs that value was computed from (watched runs only)
     feeds: dict[str, set[str]] = dataclasses.field(default_factory=dict)
+    #: the largest finite |value| a module's forward returned (plain runs only)
+    output_peak: float = 0.0
 
 
 @dataclasses.dataclass

@@ -118,6 +118,7 @@ def run_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      loss_fn: LossFn | None, sample: Sample) -> Reference:
     peak = [0.0]
+    largest = [0.0]  # of a module's output in forward
 
     def on_grad(grad: torch.Tensor) -> None:
         peak[0] = max(peak[0], scan(grad.detach(), peaks=True)[1])
@@ -126,6 +127,7 @@ def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
         leaves: list[torch.Tensor] = []
         floating_leaves(out, leaves)
         for t in leaves:
+            largest[0] = max(largest[0], scan(t.detach(), peaks=True)[1])
             if t.requires_grad:
                 t.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
@@ -135,7 +137,8 @@ def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     finally:
         for handle in handles:
             handle.remove()
-    return Reference(detached(output), loss, _take_gradients(model), {}, {}, {}, peak[0], {})
+    return Reference(detached(output), loss, _take_gradients(model), {}, {}, {}, peak[0], {},
+                     output_peak=largest[0])
 
 
 def _reference_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
