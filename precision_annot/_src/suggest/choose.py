@@ -117,7 +117,10 @@ def _next_island(search: Search, sample: Sample, islands: Islands, last: Check,
                                _runs_above(structure, handed[-1]) or handed[-1], low_max)
         return Move(target, out32, "an island's fp32 output could not be taken by its caller",
                      exact=True)
-    culprit = last.first_nonfinite
+    # a run that ended finite failed by its errors: a non-finite value its watch saw on the
+    # way (a scaled backward that overflowed and was retried at a lower scale, as a
+    # GradScaler skips a step) is not why
+    culprit = last.first_nonfinite if not last.finite else None
     if culprit == OUTSIDE:
         return _NO_LOSS
     if culprit is None:
