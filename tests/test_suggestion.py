@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import warnings
@@ -819,3 +820,35 @@ def test_tiny_fp16_gradients_are_checked_at_the_loss_scale_a_settled_gradscaler_
     # at the default 2**16 the scaled gradients flush to zero in fp16: nothing moves
     stuck = train(apply(copy.deepcopy(model), found.plan), torch.amp.GradScaler("cpu"))
     assert stuck[-1] == pytest.approx(stuck[0], rel=1e-3)
+
+
+def test_a_check_that_ended_finite_is_answered_by_error_not_by_what_its_watch_saw() -> None:
+    """A watched run can see a non-finite value that the run recovers from (the scaled
+    backward overflowing before it is retried at a lower scale, as a GradScaler skips a
+    step). When the run still ends finite, it failed by its errors: the next island is the
+    most sensitive module, not the module the watch named."""
+    import types
+
+    from precision_annot._src.suggest.choose import _next_island
+    from precision_annot._src.suggest.report import Check, Sensitivity
+
+    def row(name: str, error: float) -> Sensitivity:
+        return Sensitivity(name=name, type="Linear", params=10, error=error, nonfinite=False,
+                           peak=1.0, headroom=0.0)
+
+    table = [row("b", 0.3), row("a", 0.1)]
+    search = types.SimpleNamespace(structure={})
+    finite = Check(("x",), (), 1e-3, 1e-3, 1.5e-2, "a", False, limit=1e-2)
+    move = _next_island(search, None, {"x": False}, finite, {}, lambda: table, 65504.0, 1e-2)
+    assert not isinstance(move, str) and move.target == "b" and move.reason == "gradients"
+    # a run that ended non-finite is answered by where the value arose
+    broken = dataclasses.replace(finite, grad_error=math.inf)
+    called: list[bool] = []
+
+    def measure() -> list[Sensitivity]:
+        called.append(True)
+        return table
+
+    move = _next_island(search, None, {"x": False}, broken, {}, measure, 65504.0, 1e-2)
+    assert not isinstance(move, str) and move.target == "a" and called == []
+    assert move.reason == "a non-finite value arose in it"
