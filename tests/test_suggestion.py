@@ -686,6 +686,8 @@ def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
     assert 1e-2 < found.final.grad_error < 2e-2  # past the margin, within the tolerance
     assert all(c.passed and c.limit == 2e-2 for c in found.held_out)
     assert "no further island brought its worst error down by 20%" in found.message
+    share = max(found.final.errors().values()) / found.tolerance  # the returned plan's own
+    assert f"on the calibration batch (at {share:.2f} of the tolerance:" in found.message
     encoder = next(c for c in found.checks if "encoder" in c.islands)
     assert encoder.grad_error > 0.8 * found.final.grad_error  # what it would have added
 

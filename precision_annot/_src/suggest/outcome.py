@@ -20,7 +20,7 @@ def outcome(search: Search, islands: Islands, message: str, final: Check, held: 
     if met:
         fallback = _whole_model(search, islands, speed)
         if not fallback:
-            return True, _met_message(search, islands, held, speed, why), islands
+            return True, _met_message(search, islands, final, held, speed, why), islands
         met, message = False, fallback
     if not message:
         failing = next(c for c in [final, *held] if not c.passed)
@@ -44,13 +44,14 @@ def _whole_model(search: Search, islands: Islands, speed: list[str]) -> str:
             + "), since each island's output overflows the low dtype in its caller.")
 
 
-def _met_message(search: Search, islands: Islands, held: list[Check], speed: list[str],
-                 why: dict[str, str]) -> str:
+def _met_message(search: Search, islands: Islands, final: Check, held: list[Check],
+                 speed: list[str], why: dict[str, str]) -> str:
     count = len([i for i in islands if i not in speed])
     margin = search.margin
-    at = (f"at {margin:g} of the tolerance" if search.settled is None else
-          f"at {search.settled:.2f} of the tolerance: no further island brought its worst "
-          f"error down by {WORTH:.0%}, so the {margin:g} margin stayed a target")
+    share = max(final.errors().values()) / search.tolerance  # the plan's own, after pruning
+    at = (f"within {margin:g} of the tolerance" if search.settled is None else
+          f"at {share:.2f} of the tolerance: no further island brought its worst error "
+          f"down by {WORTH:.0%}, so the {margin:g} margin stayed a target")
     message = (f"The plan meets the tolerance with {count} island{'' if count == 1 else 's'}, "
                f"on the calibration batch ({at}) and on {len(held)} held-out batch"
                f"{'' if len(held) == 1 else 'es'}.")
