@@ -761,10 +761,11 @@ def test_only_the_children_an_overflow_was_computed_from_stand_in_for_their_isla
     assert [c.islands for c in pruned if not c.finite] == [("3",), ("3", "1.wi"),
                                                            ("1", "3.wi")]
     assert all(c.first_nonfinite is None for c in pruned)
-    assert found.runs["checks (watched)"] == 3  # the choice's: () and ("1",), then ("1", "3")
-    # a module's fp32 output passes 65504, so the first check is watched at once: no plan is
-    # run twice (once to fail, once more to find where)
-    assert found.runs["checks"] + found.runs["checks (watched)"] == len(found.checks)
+    # a module's fp32 output passes 65504, so the first check, (), is watched at once; ("1",)
+    # fails unwatched and is run again watched, to find where; ("1", "3") passes unwatched
+    assert found.runs["checks (watched)"] == 2
+    assert found.runs["checks"] + found.runs["checks (watched)"] == len(found.checks) + 1
+    assert [c.first_nonfinite for c in found.checks[:2]] == ["1", "3"]
     # the record itself, from a watched fp32 run
     from precision_annot._src.suggest.records import Sample
     from precision_annot._src.suggest.reference import run_reference

@@ -88,7 +88,9 @@ def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[],
             return islands, move, why
         trial = {i: o for i, o in islands.items() if covering(i, {move.target: False}) is None}
         trial[move.target] = move.out32 or (not move.exact and islands.get(move.target, False))
-        before, last = last, search.check(trial, sample, limit=limit)
+        # a candidate chosen by its error may not be kept: where it fails, it is watched (to
+        # say where) only once it is
+        before, last = last, search.check(trial, sample, limit=limit, find=not move.by_error)
         if move.by_error and not _worth(search, before, last, limit):
             # the margin is a target, not a cliff: between it and the tolerance, an island
             # that does not bring the error down by a fifth is not worth its parameters
@@ -96,6 +98,7 @@ def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[],
             limit = search.tolerance
             last = held_to(before, limit)
             break
+        last = search.check(trial, sample, limit=limit)  # a run of it seen before, or watched
         islands = trial
         why[move.target] = move.reason
     if not last.passed:

@@ -105,14 +105,15 @@ class Search:
             return found if found.limit == limit else held_to(found, limit)
         assert sample.light is not None
         # a run is watched (every op, to find where a non-finite value arises) only when it
-        # fails with one; after one did, the next on the same batch is watched at once
-        # (a run seen before without being watched is run again, watched)
+        # fails with one: a failing run stops at the loss, a forward, while watching a run
+        # that passes costs a step of Python per op. Watched at once: a run seen before
+        # without being watched, and the first, when the fp32 run already says it will fail
+        # (`watching`)
         watching = find and (found is not None or self.watching == sample.label)
+        self.watching = None
         result = run_check(self, islands, sample, limit, watch=watching)
         if find and _unplaced(result) and not watching:
             result = run_check(self, islands, sample, limit, watch=True)  # find where
-        if find:
-            self.watching = sample.label if not result.finite else None
         self.memo[key] = result
         self.path.append(result)
         return result
@@ -201,20 +202,45 @@ def _scaled_backward(search: Search, model: nn.Module, loss: torch.Tensor
     """The gradients as a `GradScaler` training loop gets them: the loss scaled, and while a
     gradient is non-finite, the scale lowered (by 4x, down to 1) and the backward run again, as
     the scaler skips the step and backs off; unscaled, in float64. The scale that worked is
-    kept for the next check, as the scaler keeps its scale from step to step."""
+    kept for the next check, as the scaler keeps its scale from step to step. A backward that
+    will be retried stops at the first parameter gradient that is not finite."""
     scale = search.scale
     while True:
         retry = scale > 1
-        (loss * scale).backward(retain_graph=retry)  # type: ignore[no-untyped-call]
+        overflowed = _backward(model, loss * scale, stop=retry)
         if scale != search.scale:
             search.runs["backward retries"] += 1
         grads = {n: p.grad.double() / scale for n, p in model.named_parameters()
                  if p.grad is not None}
-        if not retry or all(bool(torch.isfinite(g).all()) for g in grads.values()):
+        if not retry or (not overflowed and all(
+                bool(torch.isfinite(g).all()) for g in grads.values())):
             search.scale = scale
             return grads
         model.zero_grad(set_to_none=True)
         scale = max(1.0, scale / 4)
+
+
+class _Overflow(Exception):
+    """A parameter's gradient is not finite: the backward is retried at a lower scale."""
+
+
+def _backward(model: nn.Module, loss: torch.Tensor, *, stop: bool) -> bool:
+    """`loss.backward()`, keeping the graph; with `stop`, cut short where a parameter's
+    gradient is not finite (the rest would be thrown away). Whether it was."""
+    def check(grad: torch.Tensor) -> None:
+        if not bool(torch.isfinite(grad).all()):
+            raise _Overflow
+
+    handles = [p.register_hook(check) for p in model.parameters()  # type: ignore[no-untyped-call]
+               if p.requires_grad] if stop else []
+    try:
+        loss.backward(retain_graph=stop)  # type: ignore[no-untyped-call]
+    except _Overflow:
+        return True
+    finally:
+        for handle in handles:
+            handle.remove()
+    return False
 
 
 def best_check(search: Search, label: str) -> Check | None:

@@ -60,6 +60,11 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
         finally:
             self.paused = False
 
+    def _resting(self) -> bool:
+        """Nothing to book: the watcher's own copies run, or a check's culprit is found
+        (all a check reads)."""
+        return self.paused or (self.baseline is not None and self.first_nonfinite is not None)
+
     def returned(self, name: str, output: Any) -> None:
         """`name`'s forward returned `output`: its tensors are tagged as coming from it."""
         if self.feeds_above is not None:
@@ -82,7 +87,7 @@ class Watch(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.paused:  # the watcher's own copies
+        if self._resting():
             return out
         tracing = self.feeds_above is not None and torch._C._current_graph_task_id() == -1
         sources = self._from(args, kwargs) if tracing else frozenset()
