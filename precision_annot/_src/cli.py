@@ -218,12 +218,7 @@ def _cmd_suggest(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    model = load_target(args.target)
-    if args.default is not None:
-        try:
-            apply(model, default=args.default)
-        except (TypeError, ValueError) as e:
-            raise CLIError(str(e)) from e
+    model = _model(args)
     sample = load_object(args.sample)
     loss_fn = _loss(args, "(output, sample) -> loss")
     try:
@@ -298,13 +293,18 @@ def _check_target(args: argparse.Namespace, config: Any) -> nn.Module | Precisio
     else the target's plan."""
     if not (isinstance(config, dict) and "units" in config and ":" in args.target):
         return _plan(args)
-    target = load_target(args.target)
+    return _model(args)
+
+
+def _model(args: argparse.Namespace) -> nn.Module:
+    """The target's model, with `--default` applied when given."""
+    model = load_target(args.target)
     if args.default is not None:
         try:
-            apply(target, default=args.default)
+            apply(model, default=args.default)
         except (TypeError, ValueError) as e:
             raise CLIError(str(e)) from e
-    return target
+    return model
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

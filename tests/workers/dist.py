@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,26 @@ MERGE_BELOW = 0.1  # the norm island holds 64 of the 740 parameters
 MODES: dict[str, Callable[[nn.Module, PrecisionPlan], nn.Module]] = {
     "ddp": ddp, "fsdp1": fsdp1, "fsdp2": fsdp2,
 }
+
+
+class Rank(NamedTuple):
+    """One rank of a 2-rank run of a worker: its output file, its rank, the model, and the
+    model as `MODES[mode]` wraps it."""
+
+    out: Path
+    rank: int
+    net: nn.Module
+    runner: nn.Module
+
+
+def start(model: Callable[[], nn.Module]) -> Rank:
+    """Join the gloo group and wrap `model()` in the mode the command line names (DDP with
+    the plan's hook, FSDP1 or FSDP2): `python -m ... MODE OUTDIR`."""
+    mode, outdir = sys.argv[1], Path(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    net = model()
+    return Rank(outdir / f"{mode}-rank{rank}.json", rank, net, MODES[mode](net, resolve(net)))
 
 
 def data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,19 +10,16 @@ its Linear layers computed in, the losses, and its parameters whole.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import precision_annot as pa
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.update import state_bytes
 from tests.workers import leave
-from tests.workers.dist import MODES
+from tests.workers.dist import start
 
 SPEC = "bf16-true,master=fp32,optim=8bit"
 
@@ -39,11 +36,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    mode, outdir = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    net = model()
-    runner = MODES[mode](net, pa.resolve(net))  # FSDP2 shards, or DDP with the plan's hook
+    path, rank, net, runner = start(model)  # FSDP2 shards, or DDP with the plan's hook
     seen: dict[str, str] = {}
 
     def record(name: str) -> Any:
@@ -83,7 +76,7 @@ def main() -> None:
         "masters": sorted({dtype_name(m.dtype) for e in optimizer.engines
                            for m in e.masters.values()}),
     }
-    (outdir / f"{mode}-rank{rank}.json").write_text(json.dumps(out))
+    path.write_text(json.dumps(out))
     leave()
 
 

@@ -11,17 +11,14 @@ and what `watch` said.
 from __future__ import annotations
 
 import json
-import sys
 import warnings
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import precision_annot as pa
 from tests.workers import leave
-from tests.workers.dist import MODES
+from tests.workers.dist import start
 
 
 class Extra(nn.Module):
@@ -54,11 +51,7 @@ def model() -> Net:
 
 
 def main() -> None:
-    mode, outdir = sys.argv[1], Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    net = model()
-    runner = MODES[mode](net, pa.resolve(net))  # FSDP2 shards, or DDP with the plan's hook
+    path, rank, net, runner = start(model)  # FSDP2 shards, or DDP with the plan's hook
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(10 + rank)
     with warnings.catch_warnings(record=True) as said:
@@ -76,7 +69,7 @@ def main() -> None:
     out = {"mine": [r.to_dict() for r in w.records(rank)],
            "all": [r.to_dict() for r in w.records("all")],
            "said": [str(s.message) for s in said if "watch:" in str(s.message)]}
-    (outdir / f"{mode}-rank{rank}.json").write_text(json.dumps(out))
+    path.write_text(json.dumps(out))
     leave()
 
 
