@@ -720,7 +720,7 @@ def test_batchnorm_runs_on_the_batchs_statistics_when_suggest_trains() -> None:
 def test_watch_scan_counts_and_peaks_as_an_exact_pass_does(dtype: torch.dtype) -> None:
     """The watched runs read one reduction per op when every value is finite; where one is
     not, the count and the largest finite value are exact."""
-    from precision_annot._src.suggest.watch import scan
+    from precision_annot._src.suggest.compare import scan
 
     big = torch.finfo(dtype).max
     g = torch.Generator().manual_seed(0)

@@ -53,7 +53,24 @@ def relative_error(actual: Any, expected: Any) -> float:
 
 
 def finite_peak(value: Any) -> float:
+    """The largest finite |value| over every floating tensor of `value`."""
     leaves: list[torch.Tensor] = []
     floating_leaves(value, leaves)
-    finite = [t[torch.isfinite(t)] for t in leaves]
-    return max((float(t.abs().max()) for t in finite if t.numel()), default=0.0)
+    return max((scan(t.detach(), peaks=True)[1] for t in leaves), default=0.0)
+
+
+def scan(t: torch.Tensor, peaks: bool) -> tuple[int, float]:
+    """The non-finite elements of `t` and (with `peaks`) its largest finite |value|. One
+    reduction and one read when every element is finite (the common case: a sum, or the
+    largest |value| itself, is then finite); the exact count only where it is not."""
+    if not t.numel():
+        return 0, 0.0
+    probe = float(t.abs().amax()) if peaks else float(t.sum(dtype=torch.float32))
+    if math.isfinite(probe):
+        return 0, probe if peaks else 0.0
+    finite = torch.isfinite(t)
+    bad = t.numel() - int(finite.sum())
+    if not peaks:
+        return bad, 0.0
+    kept = t[finite]
+    return bad, float(kept.abs().amax()) if kept.numel() else 0.0

@@ -14,10 +14,10 @@ from torch import nn
 from precision_annot._src.casting import floating_leaves
 from precision_annot._src.dtypes import fp16
 from precision_annot._src.runtime import remove
-from precision_annot._src.suggest.compare import detached, relative_error
+from precision_annot._src.suggest.compare import detached, relative_error, scan
 from precision_annot._src.suggest.constants import SEED
 from precision_annot._src.suggest.records import LossFn, Reference, Sample
-from precision_annot._src.suggest.watch import Watch, scan
+from precision_annot._src.suggest.watch import Watch
 from precision_annot._src.tracking import ModuleTracker
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections.abc import Iterator
 from typing import Any, cast
@@ -12,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from precision_annot._src.casting import floating_leaves
+from precision_annot._src.suggest.compare import scan
 from precision_annot._src.suggest.constants import OUTSIDE
 from precision_annot._src.suggest.records import Counts
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
@@ -148,20 +148,3 @@ def _results(out: Any) -> list[torch.Tensor]:
     floating_leaves(out, results)
     return [t for t in results if t.dtype not in FP8_DATA
             and not is_traceable_wrapper_subclass(t)]
-
-
-def scan(t: torch.Tensor, peaks: bool) -> tuple[int, float]:
-    """The non-finite elements of `t` and (with `peaks`) its largest finite |value|. One
-    reduction and one read when every element is finite (the common case: a sum, or the
-    largest |value| itself, is then finite); the exact count only where it is not."""
-    if not t.numel():
-        return 0, 0.0
-    probe = float(t.abs().amax()) if peaks else float(t.sum(dtype=torch.float32))
-    if math.isfinite(probe):
-        return 0, probe if peaks else 0.0
-    finite = torch.isfinite(t)
-    bad = t.numel() - int(finite.sum())
-    if not peaks:
-        return bad, 0.0
-    kept = t[finite]
-    return bad, float(kept.abs().amax()) if kept.numel() else 0.0
