@@ -25,7 +25,7 @@ from precision_annot._src.runtime import applied_plan, apply, remove
 from precision_annot._src.scaler import GradScaler
 from precision_annot._src.scope import precision_scope
 from precision_annot._src.suggest import Suggestion, suggest
-from precision_annot._src.update import PlanOptimizer, optimizer
+from precision_annot._src.update.optimizer import PlanOptimizer, optimizer
 from precision_annot._src.version import VERSION
 from precision_annot._src.watching import WatchRecord, watch
 

@@ -162,3 +162,19 @@ def planted_t5(wi: float, wo: float) -> tuple[nn.Module, dict[str, torch.Tensor]
                 p.mul_(wo)
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     return t5, {"input_ids": ids, "labels": ids[:, :6].contiguous()}
+
+
+def accumulate_as_planned(model: nn.Module) -> nn.Module:
+    """Each parameter whose applied plan says grad=fp32 (wider than it is stored) accumulates
+    its gradient in that dtype (`Tensor.grad_dtype`), as `apply` does with the grad=fp32 route
+    through `grad_dtype`; idempotent, so it also holds where `apply` already set it."""
+    from precision_annot._src.update.guard import planned
+    from precision_annot._src.update.rule import rule_for
+
+    for p in model.parameters():
+        said = planned(p)
+        if said is not None:
+            rule = rule_for(said.fields, p.dtype)
+            if rule.grad != p.dtype:
+                p.grad_dtype = rule.grad
+    return model

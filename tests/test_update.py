@@ -7,7 +7,6 @@ stop, bit for bit; and the plan's memory against the bytes of every tensor a ste
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -17,9 +16,10 @@ from torch import nn
 
 import precision_annot as pa
 from precision_annot import Policy, PrecisionPlan, bf16, fp32
-from precision_annot._src import update as update_module
 from precision_annot._src.demo_model import TinyTransformer
-from precision_annot._src.update import state_bytes
+from precision_annot._src.update import step as update_step
+from precision_annot._src.update.optimizer import state_bytes
+from tests.helpers import accumulate_as_planned
 
 
 def mlp(seed: int = 0) -> nn.Sequential:
@@ -146,23 +146,29 @@ def test_no_full_size_fp32_gradient_copy_is_made(monkeypatch: pytest.MonkeyPatch
     """The masters' fp32 gradients exist a chunk at a time: at most the chunk's elements (or
     one parameter's, when it is larger) are alive at once."""
     model = pa.apply(mlp(), default="bf16-true,master=fp32")
-    monkeypatch.setattr(update_module, "CHUNK_BYTES", 4 * 9000)  # at most 9,000 fp32 elements
+    monkeypatch.setattr(update_step, "CHUNK_BYTES", 4 * 9000)  # at most 9,000 fp32 elements
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
     alive: list[int] = []
-    engine = opt.engines[0]
-    inner_step = engine.inner.step
+    own = update_step.own_step
 
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        alive.append(sum(m.grad.numel() for m in engine.masters.values() if m.grad is not None))
-        return inner_step(*args, **kwargs)
+    def spy(cls: type) -> Any:
+        step = own(cls)
 
-    engine.inner.step = spy  # type: ignore[method-assign]
+        def counted(optimizer: Any, closure: Any) -> Any:
+            alive.append(sum(t.grad.numel() for g in optimizer.param_groups
+                             for t in g["params"] if t.grad is not None and t.dtype == fp32))
+            return step(optimizer, closure)
+
+        return counted
+
+    monkeypatch.setattr(update_step, "own_step", spy)
     loss_of(model, batch(0)).backward()
     opt.step()
     largest = max(p.numel() for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())
-    assert len(alive) > 1 and max(alive) <= max(9000, largest) < total
-    assert all(m.grad is None for m in engine.masters.values())  # freed after each chunk
+    assert len(alive) > 1 and 0 < max(alive) <= max(9000, largest) < total
+    masters = [opt.master(p) for p in model.parameters()]
+    assert all(m is not None and m.grad is None for m in masters)  # freed after each chunk
 
 
 def test_a_resumed_run_continues_bit_for_bit(tmp_path: Any) -> None:
@@ -174,7 +180,7 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path: Any) -> None:
     def build() -> tuple[nn.Module, pa.PlanOptimizer]:
         model = mlp()
         pa.annotate(model, rules)
-        pa.apply(model)
+        accumulate_as_planned(pa.apply(model))
         return model, pa.optimizer(model, torch.optim.AdamW, lr=3e-3)
 
     def steps(model: nn.Module, opt: pa.PlanOptimizer, start: int, count: int) -> None:
@@ -196,17 +202,17 @@ def test_a_resumed_run_continues_bit_for_bit(tmp_path: Any) -> None:
         assert torch.equal(p, q), name
         a, b = opt.master(p), reopened.master(q)
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-    low = [v for e in reopened.engines for s in e.inner.state.values() for v in s.values()
+    low = [v for s in reopened.state.values() for v in s.values()
            if type(v).__name__ == "OptimState8bit"]
     assert low, "the 8-bit states came back 8-bit"
+    assert model[4].weight.grad_dtype == fp32 and reopened.master(again[4].weight) is not None
 
 
 def test_zero_grad_param_groups_and_a_bad_checkpoint() -> None:
     model = pa.apply(mlp(), default="bf16-true,master=fp32")
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.0)
-    assert [g["master"] for g in opt.param_groups] == [fp32]
-    assert {p for g in opt.param_groups for p in g["params"]} == set(model.parameters())
-    opt.param_groups[0]["lr"] = 0.0  # a group's hyperparameters reach its engine
+    assert [p for g in opt.param_groups for p in g["params"]] == list(model.parameters())
+    opt.param_groups[0]["lr"] = 0.0  # a group's hyperparameters are the class's own
     loss_of(model, batch(0)).backward()
     before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
     opt.step()
@@ -214,8 +220,9 @@ def test_zero_grad_param_groups_and_a_bad_checkpoint() -> None:
                                                   strict=True))
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
-    with pytest.raises(ValueError, match="expects what PlanOptimizer.state_dict gives"):
-        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+    with pytest.raises(ValueError, match=r"expects torch's optimizer state dict.*Received keys: "
+                                         r"\['buffers', 'engines'"):
+        opt.load_state_dict({"engines": [], "buffers": {}, "masters": {}, "param_groups": []})
 
 
 def test_grad_scaler_with_fp16_storage_and_fp32_masters_skips_an_overflow() -> None:
@@ -229,11 +236,12 @@ def test_grad_scaler_with_fp16_storage_and_fp32_masters_skips_an_overflow() -> N
         scaler.scale(loss * (float("inf") if step == 3 else 1.0)).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        before = [m.clone() for m in opt.engines[0].masters.values()]
+        before = [p.detach().float() if opt.master(p) is None else opt.master(p).clone()
+                  for p in model.parameters()]
         scaler.step(opt)
         scaler.update()
-        moved = any(not torch.equal(a, b) for a, b in zip(
-            before, opt.engines[0].masters.values(), strict=True))
+        moved = any(not torch.equal(a, opt.master(p)) for a, p in zip(
+            before, model.parameters(), strict=True) if opt.master(p) is not None)
         assert moved == (step != 3), step  # the overflowing step is skipped, masters unchanged
         losses.append(loss.item())
     assert losses[-1] < losses[0]
@@ -241,43 +249,35 @@ def test_grad_scaler_with_fp16_storage_and_fp32_masters_skips_an_overflow() -> N
 
 # -- gradients accumulated in fp32 ---------------------------------------------------------------
 
-def test_grad_fp32_accumulates_micro_batches_in_fp32_and_refuses_a_changed_view() -> None:
-    model = pa.apply(mlp(), default="bf16-true,master=fp32,grad=fp32")
-    twin = copy.deepcopy(model)
-    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
-    expected = {n: torch.zeros_like(p, dtype=fp32) for n, p in twin.named_parameters()}
-    for micro in range(4):
-        loss_of(model, batch(micro)).backward()
-        twin.zero_grad(set_to_none=True)
-        loss_of(twin, batch(micro)).backward()
-        for n, p in twin.named_parameters():
-            expected[n] += p.grad.float()  # each bf16 micro-batch gradient, summed in fp32
-    for n, p in model.named_parameters():
-        buffer = opt.buffers[id(p)]
-        assert torch.equal(buffer, expected[n]), n
-        assert torch.equal(p.grad, buffer.to(bf16)), n  # .grad: the buffer, rounded
-    norm = opt.clip_grad_norm_(1e-3)
-    assert norm > 1e-3
-    opt.step()  # through the optimizer's own clip, fine
-    opt.zero_grad()
-    assert all(b.abs().sum() == 0 for b in opt.buffers.values())
-    loss_of(model, batch(9)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # on the rounded view: refused
-    with pytest.raises(RuntimeError, match=r"was changed in place.*optimizer\.clip_grad_norm_"):
+def test_grad_fp32_is_the_gradient_the_step_reads() -> None:
+    """With grad=fp32, `.grad` is the fp32 accumulation (`Tensor.grad_dtype`): clipping acts on
+    it, and the step reads it as it is, into the fp32 master: the Apex O2 loop with its
+    gradients accumulated in fp32, bit for bit."""
+    model = accumulate_as_planned(pa.apply(mlp(), default="bf16-true,master=fp32,grad=fp32"))
+    hand = pa.apply(mlp(), default="bf16")
+    for p in hand.parameters():
+        p.grad_dtype = fp32
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    masters = [p.detach().float().clone() for p in hand.parameters()]
+    inner = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        hand.zero_grad()
+        for micro in range(2):
+            loss_of(model, batch(2 * step + micro)).backward()
+            loss_of(hand, batch(2 * step + micro)).backward()
+        assert all(p.grad.dtype == fp32 for p in model.parameters())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(hand.parameters(), 0.5)
         opt.step()
-
-
-def test_grad_scaler_unscales_the_fp32_buffers() -> None:
-    model = pa.apply(mlp(), default="bf16-true,master=fp32,grad=fp32")
-    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
-    scaler = pa.GradScaler(init_scale=1024.0)
-    scaler.scale(loss_of(model, batch(0))).backward()
-    scaled = {id(p): opt.buffers[id(p)].clone() for p in model.parameters()}
-    scaler.unscale_(opt)
-    for p in model.parameters():
-        assert torch.equal(opt.buffers[id(p)], scaled[id(p)] / 1024.0)
-    scaler.step(opt)  # the view was refreshed by the unscale, so the step is allowed
-    scaler.update()
+        for m, p in zip(masters, hand.parameters(), strict=True):
+            m.grad = p.grad
+        inner.step()
+        with torch.no_grad():
+            for m, p in zip(masters, hand.parameters(), strict=True):
+                p.copy_(m)
+    for p, q, m in zip(model.parameters(), hand.parameters(), masters, strict=True):
+        assert torch.equal(p, q) and torch.equal(opt.master(p), m)
 
 
 # -- low-bit states and stochastic rounding (torchao) ---------------------------------------------
@@ -299,7 +299,7 @@ def test_stochastic_rounding_moves_bf16_weights_that_plain_bf16_leaves_still() -
             model.weight.grad = torch.ones_like(model.weight)
             opt.step()
         master = opt.master(model.weight)  # the truth, where there is one
-        return float((master if master is not None else model.weight).float().mean())
+        return float((master if master is not None else model.weight).detach().float().mean())
 
     assert run("bf16-true") == 1.0  # every update rounds away
     assert abs(run("fp32") - 0.98) < 1e-5
@@ -323,8 +323,7 @@ def test_low_and_narrow_states_train_and_are_what_the_plan_says(state: str) -> N
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0]
     big = model[1].weight  # 8,192 elements: quantized by torchao (4,096 or more)
-    exp_avg = next(e.inner.state[e.updated(big)]["exp_avg"] for e in opt.engines
-                   if id(big) in {id(p) for p in e.params})
+    exp_avg = opt.state[big]["exp_avg"]
     kind = {"8bit": "OptimState8bit", "4bit": "OptimState4bit", "fp8": "OptimStateFp8"}
     assert type(exp_avg).__name__ == kind.get(state, "Tensor")
     if state == "bf16":
@@ -333,7 +332,8 @@ def test_low_and_narrow_states_train_and_are_what_the_plan_says(state: str) -> N
 
 def test_a_low_bit_state_needs_adam_and_says_so() -> None:
     model = pa.apply(mlp(), default="bf16-true,master=fp32,optim=8bit")
-    with pytest.raises(ValueError, match=r"runs through torchao's Adam and AdamW, and "
+    with pytest.raises(ValueError, match=r"optim=8bit for 7 parameter\(s\), e.g. '0.weight', "
+                                         r"runs through torchao's Adam update, and "
                                          r"optimizer_class is SGD"):
         pa.optimizer(model, torch.optim.SGD, lr=0.1)
     with pytest.raises(TypeError, match="must be a torch.optim.Optimizer class"):
@@ -384,7 +384,7 @@ def test_measured_bytes_equal_the_plans_figure_on_a_gpt(layout: str) -> None:
     spec, _ = LAYOUTS[layout]
     torch.manual_seed(0)
     model = TinyTransformer(vocab=256, d=64, layers=2, heads=4, gain=1.0)
-    pa.apply(model, default=spec)
+    accumulate_as_planned(pa.apply(model, default=spec))
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
     tokens = torch.randint(0, 256, (4, 17))
     nn.functional.cross_entropy(model(tokens[:, :-1]).float().reshape(-1, 256),
@@ -396,7 +396,7 @@ def test_measured_bytes_equal_the_plans_figure_on_a_gpt(layout: str) -> None:
     assert measured_bytes(model, opt) == figure.total()
     per = figure.per_param()
     expect = {"fp32 AdamW": 16, "bf16-mixed": 16, "bf16 + fp32 master + fp32 state": 16,
-              "the same, fp32 gradient accumulation": 20}
+              "the same, fp32 gradient accumulation": 18}
     if layout in expect:
         assert abs(per - expect[layout]) < 0.1, per
     assert "bytes per parameter" in str(figure)

@@ -30,10 +30,11 @@ from precision_annot._src.execution import Execution, Kind, Site, compile_plan
 from precision_annot._src.float8 import is_fp8_tensor
 from precision_annot._src.guards import require_module, require_plan
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
-from precision_annot._src.policy import Policy, autocast_mode, update_key
+from precision_annot._src.policy import Policy, autocast_mode
 from precision_annot._src.runtime import check_matches, find_boundary, plan_of
 from precision_annot._src.tables import format_table
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
+from precision_annot._src.update.rule import fields_of, rule_for
 from precision_annot._src.wrappers import unwrap
 
 __all__ = ["AuditReport", "Divergence", "ModuleRecord", "UpdateRecord", "audit"]
@@ -189,10 +190,8 @@ def _update(entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
     optimizer never saw it)."""
     policy = entry.policy
     for pname, done in record.updates.items():
-        probe = record.tensors.get(pname, ("param", torch.float32))[1]
-        key = update_key(policy.master, policy.grad, policy.optim,
-                         torch.empty(0, dtype=probe))
-        planned = key.master if isinstance(key.master, torch.dtype) else None
+        stored = record.tensors.get(pname, ("param", torch.float32))[1]
+        planned = rule_for(fields_of(policy), stored).master
         if planned != done.master:
             yield Divergence(entry.name, "master", dtype_name(planned) if planned else "none",
                              f"{dtype_name(done.master) if done.master else 'none'} for "
@@ -633,7 +632,7 @@ class audit:
             before.clear()
             for group in opt.param_groups:
                 for p in group["params"]:
-                    grad = opt.gradient(p) if hasattr(opt, "gradient") else p.grad
+                    grad = p.grad
                     if grad is not None and bool(grad.ne(0).any()):
                         before[id(p)] = _updated(opt, p).detach().clone()
                         grads[id(p)] = grad.dtype
@@ -652,7 +651,7 @@ class audit:
                              and type(v) is not nn.Parameter else dtype_name(v.dtype))
                          for k, v in state.items()
                          if isinstance(v, torch.Tensor) and v.numel() > 1},
-                        not torch.equal(before[id(p)], _updated(opt, p).detach()))
+                        _changed(before[id(p)], _updated(opt, p).detach()))
 
         self._handles.append(optimizer.register_step_pre_hook(pre))
         self._handles.append(optimizer.register_step_post_hook(post))
@@ -678,13 +677,15 @@ def _updated(optimizer: Any, param: torch.Tensor) -> torch.Tensor:
     return master if master is not None else param
 
 
+def _changed(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether the step changed what it updates (a master made by this very step is compared
+    with the stored values it was made from)."""
+    return not torch.equal(before.to(after.dtype), after)
+
+
 def _state_of(optimizer: Any, param: torch.Tensor) -> dict[str, Any]:
-    """The optimizer's state for `param`: a `PlanOptimizer` keeps it in the engine that
-    updates the parameter (on its master, where it has one)."""
-    for engine in getattr(optimizer, "engines", ()):
-        if any(p is param for p in engine.params):
-            return dict(engine.inner.state.get(engine.updated(param), {}))
-    return dict(optimizer.state.get(param, {}))
+    """The optimizer's state for `param`, but a master copy."""
+    return {k: v for k, v in optimizer.state.get(param, {}).items() if k != "master"}
 
 
 def _grad_recorder(record: ModuleRecord, name: str) -> Callable[[torch.Tensor], None]:

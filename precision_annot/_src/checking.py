@@ -15,12 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.dtypes import STOCHASTIC
 from precision_annot._src.findings import SEVERITIES, Finding, listing, numerics
 from precision_annot._src.float8_checks import fp8_findings
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.policy import UPDATE_FIELDS
 from precision_annot._src.runtime import applied_plan, subject
+from precision_annot._src.update.rule import module_rules
 
 __all__ = ["BACKENDS", "check"]
 
@@ -132,17 +131,14 @@ def _optimizer(plan: PrecisionPlan, optimizer: Any) -> list[Finding]:
                         f"{optimizer!r} (of type {type(optimizer).__name__})")
     if getattr(optimizer, "_precision_annot_updates", False):
         return []
-    planned = [n for n, e in plan.items() if e.params and any(
-        getattr(e.policy, f) is not None for f in UPDATE_FIELDS) and (
-            e.policy.copies_master or e.policy.accumulates or e.policy.optim is not None
-            or e.policy.master == STOCHASTIC)]
+    rules = {n: [r for _, r in module_rules(e) if not r.plain] for n, e in plan.items()}
+    planned = [n for n, found in rules.items() if found]
     if not planned:
         return []
-    first = plan[planned[0]].policy
     return [Finding(
         "error", "optimizer-ignores-update", planned[0],
         f"{type(optimizer).__name__} steps the parameters themselves, and the plan keeps "
-        f"{', '.join(f'{f}={first.show(f)}' for f in UPDATE_FIELDS if getattr(first, f))} "
+        f"{rules[planned[0]][0].describe()} "
         f"for {listing(planned)}: that update half is dropped (with master=fp32 over bf16, "
         "updates below 2^-8 of a weight round away). Its first step() is refused.",
         f"precision_annot.optimizer(model, torch.optim.{type(optimizer).__name__}, lr=...)",

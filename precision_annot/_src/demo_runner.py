@@ -40,7 +40,7 @@ from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import applied_plan, apply
 from precision_annot._src.scaler import GradScaler
 from precision_annot._src.suggest import suggest
-from precision_annot._src.update import optimizer, state_bytes
+from precision_annot._src.update.optimizer import optimizer, state_bytes
 
 VOCAB, SEQ = 64, 32
 

@@ -26,15 +26,15 @@ from torch import nn
 
 from precision_annot._src.dtypes import (
     LOW_PRECISION,
-    STOCHASTIC,
     bf16,
     dtype_name,
     fp16,
     fp32,
     wider,
 )
-from precision_annot._src.plan import PrecisionPlan, parent_name
-from precision_annot._src.policy import FIELDS, Policy
+from precision_annot._src.plan import ModulePlan, PrecisionPlan, parent_name
+from precision_annot._src.policy import FIELDS
+from precision_annot._src.update.rule import module_rules
 
 __all__ = ["SEVERITIES", "Finding", "Severity", "drift", "drifts", "listing", "numerics",
            "outermost"]
@@ -242,13 +242,13 @@ def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
     said away with master equal to storage) and no stochastic rounding."""
     subtree = _subtree_params(plan)
 
-    def bare(policy: Policy) -> bool:
+    def bare(entry: ModulePlan) -> bool:
         if backend == "deepspeed":  # its bf16 and fp16 modes keep fp32 master weights
-            return policy.master == policy.storage
-        return not policy.copies_master and policy.master != STOCHASTIC
+            return entry.policy.master == entry.policy.storage
+        return not any(r.master is not None or r.stochastic for _, r in module_rules(entry))
 
     low = [n for n, e in plan.items()
-           if e.policy.storage in LOW_PRECISION and subtree[n] and bare(e.policy)]
+           if e.policy.storage in LOW_PRECISION and subtree[n] and bare(e)]
     for name in outermost(plan, low):
         dtype = plan[name].policy.storage
         assert dtype is not None

@@ -1,19 +1,20 @@
 """What a plan costs in memory during training: per module, the bytes of parameters, gradients,
 master copies and optimizer state, for a named optimizer, worked out from what `resolve` saw
-of each parameter (its shape) by the rules `optimizer` and torchao follow. A measured run
+of each parameter (its shape) by its `UpdateRule`, which `optimizer` follows. A measured run
 equals it: tests/test_update.py sums the `nbytes` of every tensor after a step."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
 
-from precision_annot._src.policy import Policy, update_key
+from precision_annot._src.policy import Policy
 from precision_annot._src.tables import format_table, human_bytes
+from precision_annot._src.update.rule import module_rules
 
 
 class _Tensor(Protocol):
@@ -36,17 +37,12 @@ class _Row(Protocol):
     def policy(self) -> Policy: ...
     @property
     def own_params(self) -> tuple[Any, ...]: ...
+    @property
+    def facts(self) -> Any: ...
+    @property
+    def numel(self) -> Mapping[torch.dtype, int]: ...
 
 __all__ = ["MemoryReport", "ModuleMemory", "plan_memory"]
-
-#: torchao's low-bit states: (block size, code bytes per element, bytes of its value map);
-#: a tensor is quantized when it has at least 4096 elements in whole blocks, as bitsandbytes
-#: does, else its state is kept in the dtype of what is updated
-_LOW_BIT: dict[str, tuple[int, float, int]] = {"8bit": (256, 1.0, 256 * 4),
-                                                "4bit": (128, 0.5, 16 * 4),
-                                                "fp8": (256, 1.0, 0)}
-_MIN_QUANTIZED = 4096
-
 
 @dataclasses.dataclass(frozen=True)
 class ModuleMemory:
@@ -56,8 +52,8 @@ class ModuleMemory:
         name: the module's qualified name.
         params: its parameter elements.
         param_bytes: its parameters, as stored.
-        grad_bytes: its gradients (`.grad` in the storage dtype, and an accumulation buffer
-            where `grad` is wider).
+        grad_bytes: its gradients (`.grad`, in the dtype they accumulate in: fp32 where `grad`
+            says so).
         master_bytes: master copies (`master` wider than storage).
         state_bytes: the optimizer's state for its parameters.
     """
@@ -135,20 +131,6 @@ def _states(optimizer: str | type[Optimizer], hyperparameters: dict[str, Any]
     return name, count, step
 
 
-def _state_bytes(info: _Tensor, updated: torch.dtype, optim: torch.dtype | str | None,
-                 count: int, step: bool) -> int:
-    numel = info.numel
-    if isinstance(optim, str):
-        block, code, mapped = _LOW_BIT[optim]
-        if numel >= _MIN_QUANTIZED and numel % block == 0:
-            one = int(numel * code) + numel // block * 4 + mapped
-        else:
-            one = numel * updated.itemsize
-    else:
-        one = numel * (optim or updated).itemsize
-    return count * one + (4 if step and count else 0)
-
-
 def plan_memory(rows_of: Iterable[tuple[str, _Row]], captured: bool,
                 optimizer: str | type[Optimizer] = "adamw", **hyperparameters: Any
                 ) -> MemoryReport:
@@ -162,22 +144,15 @@ def plan_memory(rows_of: Iterable[tuple[str, _Row]], captured: bool,
         infos: list[_Tensor] = [t for t in entry.own_params if t.tied is None]
         if not infos:
             continue
-        policy = entry.policy
         params = grads = masters = state = 0
         for info in infos:
-            stored = info.dtype
-            params += info.numel * stored.itemsize
-            if not info.trainable or not stored.is_floating_point:
-                continue
-            probe = torch.empty(0, dtype=stored)
-            key = update_key(policy.master, policy.grad, policy.optim, probe)
-            grads += info.numel * stored.itemsize
-            if key.grad is not None:
-                grads += info.numel * key.grad.itemsize
-            updated = key.master if isinstance(key.master, torch.dtype) else stored
-            if isinstance(key.master, torch.dtype):
-                masters += info.numel * key.master.itemsize
-            state += _state_bytes(info, updated, key.optim, count, step)
+            params += info.numel * info.dtype.itemsize
+        for info, rule in module_rules(entry):
+            # the gradient as it accumulates (`.grad`, in fp32 where grad=fp32 says so)
+            grads += info.numel * rule.grad.itemsize  # type: ignore[union-attr]
+            if rule.master is not None:
+                masters += info.numel * rule.master.itemsize
+            state += count * rule.state_bytes(info.numel) + (4 if step and count else 0)
         rows.append(ModuleMemory(module, sum(t.numel for t in infos), params, grads, masters,
                                  state))
     return MemoryReport(name, tuple(rows))

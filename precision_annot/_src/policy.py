@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias
 
 import torch
 
@@ -12,7 +12,6 @@ from precision_annot._src.dtypes import (
     FP8,
     FP8_RECIPES,
     LOW_PRECISION,
-    STOCHASTIC,
     bf16,
     dtype_name,
     fp16,
@@ -24,9 +23,9 @@ from precision_annot._src.dtypes import (
     to_optim,
     wider,
 )
+from precision_annot._src.update.rule import update_rule
 
-__all__ = ["FIELDS", "PRESETS", "UPDATE_FIELDS", "AutocastMode", "Policy", "SpecLike", "UpdateKey",
-           "update_key",
+__all__ = ["FIELDS", "PRESETS", "UPDATE_FIELDS", "AutocastMode", "Policy", "SpecLike",
            "as_policy", "autocast_mode", "exit_dtype", "is_boundary", "policy_from",
            "preset_name"]
 
@@ -210,58 +209,13 @@ class Policy:
 
     @property
     def copies_master(self) -> bool:
-        """True when the optimizer keeps a master copy wider than storage."""
-        master = self.master
-        return isinstance(master, torch.dtype) and (self.storage is None
-                                                    or wider(master, self.storage))
-
-    @property
-    def accumulates(self) -> bool:
-        """True when gradients accumulate in a buffer wider than storage."""
-        return self.grad is not None and self.storage is not None and wider(self.grad,
-                                                                           self.storage)
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateKey:
-    """How one parameter is updated, normalised against its own dtype.
-
-    Attributes:
-        master: the dtype of its master copy (wider than the parameter), "stochastic", or None
-            (the parameter itself is updated).
-        grad: the dtype of its gradient accumulation buffer (wider than the parameter), or
-            None (its `.grad`).
-        optim: the dtype of its optimizer state, a low-bit state ("8bit", "4bit", "fp8"), or
-            None (the dtype of what is updated).
-    """
-
-    master: torch.dtype | str | None = None
-    grad: torch.dtype | None = None
-    optim: torch.dtype | str | None = None
-
-    def updated_dtype(self, param: torch.Tensor) -> torch.dtype:
-        return self.master if isinstance(self.master, torch.dtype) else param.dtype
-
-    def __str__(self) -> str:
-        def show(value: object) -> str:
-            return value if isinstance(value, str) else dtype_name(cast(torch.dtype, value))
-
-        parts = [f"{k}={show(v)}" for k, v in dataclasses.asdict(self).items() if v is not None]
-        return ",".join(parts) or "as stored"
-
-
-def update_key(master: torch.dtype | str | None, grad: torch.dtype | None,
-               optim: torch.dtype | str | None, param: torch.Tensor) -> UpdateKey:
-    """The `UpdateKey` of a parameter from its module's fields: a master or a buffer only
-    where wider than the parameter, a state dtype only where it differs from what is updated."""
-    dtype = param.dtype
-    copy = master if isinstance(master, torch.dtype) and wider(master, dtype) else None
-    key_master: torch.dtype | str | None = copy if copy is not None else (
-        STOCHASTIC if master == STOCHASTIC and dtype == bf16 else None)
-    buffer = grad if grad is not None and wider(grad, dtype) else None
-    updated = copy if copy is not None else dtype
-    state = None if optim is None or optim == updated else optim
-    return UpdateKey(key_master, buffer, state)
+        """True when the optimizer keeps a master copy beside parameters stored in `storage`
+        (what `UpdateRule` says for that dtype); with storage unset, when master is a dtype."""
+        if not isinstance(self.master, torch.dtype):
+            return False
+        if self.storage is None:
+            return True
+        return update_rule(self.master, self.grad, self.optim, self.storage).master is not None
 
 
 def _bare(dtype: torch.dtype) -> Policy:

@@ -46,6 +46,7 @@ from precision_annot._src.policy import (
     is_boundary,
 )
 from precision_annot._src.tags import class_tag, instance_tag, region_of, scope_tag
+from precision_annot._src.update.rule import fields_of, rule_for
 from precision_annot._src.wrappers import unwrap
 
 __all__ = ["function_regions", "is_container", "resolve"]
@@ -105,7 +106,7 @@ def _resolve(model: nn.Module, fallback: Policy | None) -> PrecisionPlan:
     modules: dict[str, nn.Module] = {}
     first: dict[int, _Path] = {}  # id(module) -> its first path
     paths: dict[str, _Path] = {}
-    tied: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None]] = {}
+    tied: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None, Policy]] = {}
     first_names: dict[int, str] = {}  # id(parameter) -> the qualified name first seen as
     for name, module in model.named_modules(remove_duplicate=False):
         parent = paths[parent_name(name)] if name else None
@@ -386,20 +387,20 @@ def _warn_if_default_unused(fallback: Policy, root: ModulePlan) -> None:
 
 
 def _check_tied(
-    owners: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None]],
+    owners: dict[int, tuple[str, torch.dtype, bool, torch.dtype | None, Policy]],
     param: nn.Parameter,
     module_name: str,
     param_name: str,
     policy: Policy,
 ) -> bool:
-    """A shared parameter has one dtype and one comm dtype: every owner must plan the same.
-    An owner that leaves storage unset plans the dtype the parameter has now. True the first
-    time a parameter is seen (count it), False after."""
+    """A shared parameter has one dtype, one comm dtype and one update: every owner must plan
+    the same. An owner that leaves storage unset plans the dtype the parameter has now. True
+    the first time a parameter is seen (count it), False after."""
     storage, comm = policy.storage, policy.comm
     target = storage if storage is not None and param.is_floating_point() else param.dtype
     first = owners.get(id(param))
     if first is None:
-        owners[id(param)] = (module_name, target, storage is None, comm)
+        owners[id(param)] = (module_name, target, storage is None, comm, policy)
         return True
     if not param.is_floating_point():
         return False
@@ -423,7 +424,23 @@ def _check_tied(
             "dtype, and backends would each pick another: annotate both modules with the same "
             "comm."
         )
+    _check_tied_update(first[0] or "(root)", first[4], module_name or "(root)", policy,
+                       param_name, target)
     return False
+
+
+def _check_tied_update(owner: str, first: Policy, other: str, policy: Policy, param_name: str,
+                       stored: torch.dtype) -> None:
+    """A shared parameter is updated one way: the update rules its owners' fields give for its
+    dtype must agree (a master planned by one and not the other would be dropped silently)."""
+    a, b = rule_for(fields_of(first), stored), rule_for(fields_of(policy), stored)
+    if a == b:
+        return
+    raise ValueError(
+        f"Parameter {param_name!r} is shared by modules {owner!r} ({a.describe()}) and "
+        f"{other!r} ({b.describe()}). A shared parameter is updated one way (one master, one "
+        "gradient and state dtype): annotate both modules with the same master, grad and "
+        "optim.")
 
 
 # -- function-form regions --------------------------------------------------------------------

@@ -10,16 +10,13 @@ writes to a module's `__dict__`, `_parameters` and `_buffers`; the model's root 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_annot._src import float8
 from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
@@ -27,8 +24,9 @@ from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Key, Kind, Site, compile_plan
 from precision_annot._src.guards import paused_gc, require_module, require_plan, warn
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.policy import SpecLike, UpdateKey, update_key
+from precision_annot._src.policy import SpecLike
 from precision_annot._src.resolution import capture, is_container, resolve
+from precision_annot._src.update import guard
 from precision_annot._src.wrappers import unwrap
 
 __all__ = ["AppliedState", "ModuleState", "Subject", "apply", "applied_plan", "check_matches",
@@ -595,9 +593,9 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
     states = {name: ModuleState(module, name) for name, module in named.items()}
     for (name, kind, tname), _, cast in prepared:
         states[name].cast(kind, tname, cast)
-    _STEPS.note([(tensor, current[key], f"{key[0]}.{key[2]}" if key[0] else key[2])
-                 for key, tensor, _ in prepared if key[1] == "param"],
-                _planned_updates(plan, named))
+    guard.note([(tensor, current[key], f"{key[0]}.{key[2]}" if key[0] else key[2])
+                for key, tensor, _ in prepared if key[1] == "param"],
+               guard.planned_updates(plan, named))
     if execution.gemms:
         float8.prepare_compile()
     for name, gemm in execution.gemms.items():
@@ -639,99 +637,6 @@ def _install(states: dict[str, ModuleState], execution: Execution,
                              execution.reprs.get(name), tuple(planned.get(name, ())), state)
 
 
-# -- optimizers built before apply ---------------------------------------------------------------
-
-class _StepGuard:
-    """What an optimizer step must not do to an applied model, checked once per `apply` by one
-    global optimizer step pre-hook (registered at the first apply that needs it; per step it
-    costs a dictionary lookup):
-
-    - step on state built before `apply` changed a parameter's dtype (torch's own error there,
-      "expected dtype float for `end` but got dtype c10::BFloat16", names neither the
-      parameter nor the cause);
-    - update, as a plain optimizer does, a parameter whose plan keeps a master copy, a
-      gradient buffer or another state dtype: that update half would be silently dropped
-      (with master=fp32 over bf16 storage, updates below 2^-8 of a weight round away)."""
-
-    def __init__(self) -> None:
-        # keyed by identity: a tensor's == is elementwise
-        self.changed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.planned: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        self.generation = 0
-        self.handle: Any = None
-
-    def note(self, params: list[tuple[torch.Tensor, torch.dtype, str]],
-             planned: list[tuple[torch.Tensor, str, str]]) -> None:
-        if not params and not planned:
-            return
-        for param, old, name in params:
-            self.changed[param] = (old, name)
-        for param, name, what in planned:
-            self.planned[param] = (name, what)
-        self.generation += 1
-        if self.handle is None:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            self.handle = register_optimizer_step_pre_hook(self)
-
-    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.checked.get(optimizer) == self.generation:
-            return
-        plain = not getattr(optimizer, "_precision_annot_updates", False)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                planned = self.planned.get(param) if plain else None  # type: ignore[no-untyped-call]
-                if planned is not None:
-                    name, what = planned
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__}.step(): it updates parameter {name!r} "
-                        f"(stored in {dtype_name(param.dtype)}) itself, and the plan says "
-                        f"{what} for it, which this optimizer does not keep: the update would "
-                        "be made as if the plan said nothing (with master=fp32 over bf16, "
-                        "updates below 2^-8 of a weight round away). Build it with "
-                        f"precision_annot.optimizer(model, torch.optim.{type(optimizer).__name__}"
-                        ", lr=...).")
-                said: tuple[torch.dtype, str] | None = self.changed.get(param)  # type: ignore[no-untyped-call]
-                state = optimizer.state.get(param) if said is not None else None
-                if not state or said is None:
-                    continue
-                old, name = said
-                stale = [k for k, v in state.items() if isinstance(v, torch.Tensor)
-                         and v.dtype == old != param.dtype and v.shape == param.shape]
-                if stale:
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__}.step(): it holds state for parameter "
-                        f"{name!r} ({', '.join(stale)} in {dtype_name(old)}) built before "
-                        f"precision_annot.apply stored that parameter in "
-                        f"{dtype_name(param.dtype)}, and its update mixes the two. Build the "
-                        "optimizer after apply; or, to keep its state, load it into the new "
-                        "one (new.load_state_dict(old.state_dict()) casts the state to each "
-                        "parameter's dtype).")
-        with contextlib.suppress(TypeError):  # not weak-referenceable: checked at every step
-            self.checked[optimizer] = self.generation
-
-
-_STEPS = _StepGuard()
-
-
-def _planned_updates(plan: PrecisionPlan, named: dict[str, nn.Module]
-                     ) -> list[tuple[torch.Tensor, str, str]]:
-    """The parameters whose plan changes how the optimizer updates them (a master copy wider
-    than the parameter, a gradient buffer, another state dtype, stochastic rounding), and what
-    it says."""
-    out: list[tuple[torch.Tensor, str, str]] = []
-    for name, entry in plan.items():
-        policy = entry.policy
-        if policy.master is None and policy.grad is None and policy.optim is None:
-            continue
-        for pname, p in named[name].named_parameters(recurse=False):
-            key = update_key(policy.master, policy.grad, policy.optim, p)
-            if key != UpdateKey() and p.requires_grad:
-                out.append((p, f"{name}.{pname}" if name else pname, str(key)))
-    return out
-
-
 def remove(model: M) -> M:
     """Undo `apply`: no boundary is left, and each parameter and buffer gets its old dtype back.
 
@@ -756,4 +661,5 @@ def remove(model: M) -> M:
         tensor = None if module is None else get_tensor(module, kind, tname)
         if module is not None and tensor is not None and tensor.dtype != dtype:
             ModuleState(module, name).cast(kind, tname, tensor.detach().to(dtype))
+    guard.forget(root.parameters())
     return model

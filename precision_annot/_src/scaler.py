@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from precision_annot._src.update import PlanOptimizer
+from precision_annot._src.update.optimizer import PlanOptimizer
+from precision_annot._src.update.step import widen_gradients
 
 __all__ = ["GradScaler"]
 
@@ -22,8 +23,10 @@ class GradScaler(torch.amp.GradScaler):
     the loss, `unscale_` before clipping, `step` skips a step whose gradients are not finite
     and `update` lowers the scale after one; its state goes in checkpoints with `state_dict`.
 
-    `plan.needs_loss_scaling` says when a plan needs one. With `precision_annot.optimizer`, it
-    unscales the gradients that optimizer's step uses, fp32 accumulation buffers included.
+    `plan.needs_loss_scaling` says when a plan needs one. With `precision_annot.optimizer`, a
+    gradient narrower than the master it updates (fp16 storage, fp32 masters) is unscaled in
+    the master's dtype, as Apex O2 does: `.grad` becomes the fp32 unscaled gradient, which
+    clipping then sees and the step reads; in fp16 the smallest gradients would flush to zero.
 
     Args:
         device: "cuda", "cpu", ...; None takes CUDA when it is available and the CPU
@@ -54,7 +57,6 @@ class GradScaler(torch.amp.GradScaler):
         self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        if isinstance(optimizer, PlanOptimizer):  # the gradients its step uses: buffers too
-            optimizer.unscale_(inv_scale, found_inf)
-            return {found_inf.device: found_inf}
+        if isinstance(optimizer, PlanOptimizer):  # unscaled in the master's dtype, as Apex O2
+            widen_gradients(optimizer)
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)

@@ -48,6 +48,7 @@ from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import Policy
 from precision_annot._src.runtime import apply, subject
+from precision_annot._src.update.rule import fields_of, rule_for
 from precision_annot._src.wrappers import unwrap
 
 __all__ = ["DeepSpeedPlan", "findings", "given_config", "prepare", "read_config", "reduced",
@@ -359,15 +360,20 @@ def update_half(dsp: DeepSpeedPlan, stage: int) -> tuple[dict[str, Any], str | N
     return _update_keys(policy, section, stage), None, ()
 
 
+#: the dtype DeepSpeed stores weights in under each section
+_SECTION_DTYPES = {"bf16": bf16, "fp16": fp16, None: fp32}
+
+
 def _update_keys(policy: Policy, section: str | None, stage: int) -> dict[str, Any]:
     """The keys that say one update layout DeepSpeed can hold."""
     if section is None:  # fp32 storage: masters and state are fp32 already
         return {}
     out: dict[str, Any] = {}
     state = policy.optim if isinstance(policy.optim, torch.dtype) else None
+    copies = rule_for(fields_of(policy), _SECTION_DTYPES[section]).master is not None
     if stage >= 1:
-        out[f"{section}_master_weights_and_grads"] = not policy.copies_master
-        if not policy.copies_master:
+        out[f"{section}_master_weights_and_grads"] = not copies
+        if not copies:
             out[f"{section}_optimizer_states"] = state is None or state == policy.storage
     if policy.grad is not None:
         out["grad_accum_dtype"] = SHORT[policy.grad]
@@ -401,11 +407,12 @@ def _update_refusal(policy: Policy, section: str | None, stage: int) -> str | No
         return None if state is None or state == fp32 else (
             f"optim={dtype_name(state)} over fp32 weights has no DeepSpeed setting (its state "
             "is kept in the dtype it updates)")
-    if policy.copies_master and stage == 0:
+    copies = rule_for(fields_of(policy), _SECTION_DTYPES[section]).master is not None
+    if copies and stage == 0:
         return (f"master={dtype_name(cast(torch.dtype, policy.master))} over {section} weights "
                 f"needs ZeRO stage 1-3: at stage 0 DeepSpeed's {section} mode updates the "
                 f"{section} weights themselves, with no master copy")
-    if policy.copies_master and state is not None and state != fp32:
+    if copies and state is not None and state != fp32:
         return (f"optim={dtype_name(state)} beside fp32 masters has no DeepSpeed setting "
                 f"({section}_optimizer_states needs {section} masters)")
     return None

@@ -17,7 +17,7 @@ from torch import nn
 
 import precision_annot as pa
 from precision_annot._src.dtypes import dtype_name
-from precision_annot._src.update import state_bytes
+from precision_annot._src.update.optimizer import state_bytes
 from tests.workers import leave
 from tests.workers.dist import start
 
@@ -62,8 +62,8 @@ def main() -> None:
     held = sum(local(p).numel() * local(p).element_size() for p in params)
     grads = sum(local(p.grad).numel() * local(p.grad).element_size() for p in params
                 if p.grad is not None)
-    kinds = sorted({type(local(v)).__name__ for e in optimizer.engines
-                    for s in e.inner.state.values() for k, v in s.items() if k == "exp_avg"})
+    kinds = sorted({type(local(v)).__name__ for s in optimizer.state.values()
+                    for k, v in s.items() if k == "exp_avg"})
     whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double()
              .flatten().tolist() for n, p in net.named_parameters()}
     out: dict[str, Any] = {
@@ -73,8 +73,8 @@ def main() -> None:
         "state_kinds": kinds,
         "bytes": held + grads + state_bytes(optimizer),
         "params": whole,
-        "masters": sorted({dtype_name(m.dtype) for e in optimizer.engines
-                           for m in e.masters.values()}),
+        "masters": sorted({dtype_name(local(s["master"]).dtype)
+                           for s in optimizer.state.values() if "master" in s}),
     }
     path.write_text(json.dumps(out))
     leave()

@@ -1,0 +1,159 @@
+"""What `apply` says about each parameter's update, and the step guard that holds optimizers to
+it.
+
+`apply` notes here, per parameter, its qualified name and its module's update fields (`note`),
+and the dtype a parameter had before `apply` changed it. `precision_annot.optimizer` reads the
+fields at every step (`planned`), so an optimizer built before `apply`, or before a plan with
+another update half was applied, steps as the plan applied now says. One global optimizer step
+pre-hook stops any other optimizer that would drop that update half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.update.rule import UpdateFields, fields_of, rule_for
+
+__all__ = ["Planned", "StepGuard", "forget", "note", "planned", "planned_updates"]
+
+
+class Planned(NamedTuple):
+    """One parameter as the applied plan says it: its qualified name and its update fields."""
+
+    name: str
+    fields: UpdateFields
+
+
+class StepGuard:
+    """What an optimizer step must not do to an applied model, checked once per `apply` by one
+    global optimizer step pre-hook (registered at the first apply that needs it; per step it
+    costs a dictionary lookup):
+
+    - step on state built before `apply` changed a parameter's dtype (torch's own error there,
+      "expected dtype float for `end` but got dtype c10::BFloat16", names neither the
+      parameter nor the cause);
+    - update, as a plain optimizer does, a parameter whose plan keeps a master copy, a wider
+      gradient or state, or stochastic rounding: that update half would be silently dropped
+      (with master=fp32 over bf16 storage, updates below 2^-8 of a weight round away).
+
+    `precision_annot.optimizer` is exempt from both: it steps each parameter as its rule says
+    now, and converts a state built under another layout at its next step."""
+
+    def __init__(self) -> None:
+        # keyed by identity: a tensor's == is elementwise
+        self.changed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.planned: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.checked: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.generation = 0
+        self.handle: Any = None
+
+    def note(self, changed: Iterable[tuple[torch.Tensor, torch.dtype, str]],
+             planned: Iterable[tuple[torch.Tensor, Planned]]) -> None:
+        changed, planned = list(changed), list(planned)
+        if not changed and not planned:
+            return
+        for param, old, name in changed:
+            self.changed[param] = (old, name)
+        for param, said in planned:
+            self.planned[param] = said
+        self.generation += 1
+        if self.handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self.handle = register_optimizer_step_pre_hook(self)
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.checked.get(optimizer) == self.generation or getattr(
+                optimizer, "_precision_annot_updates", False):
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._dropped(optimizer, param)
+                self._stale(optimizer, param)
+        with contextlib.suppress(TypeError):  # not weak-referenceable: checked at every step
+            self.checked[optimizer] = self.generation
+
+    def _dropped(self, optimizer: Any, param: torch.Tensor) -> None:
+        said: Planned | None = self.planned.get(param)  # type: ignore[no-untyped-call]
+        if said is None:
+            return
+        rule = rule_for(said.fields, param.dtype)
+        if rule.plain:
+            return
+        name = type(optimizer).__name__
+        raise RuntimeError(
+            f"{name}.step(): it updates parameter {said.name!r} (stored in "
+            f"{dtype_name(param.dtype)}) itself, and the plan says {rule.describe()} for it, "
+            "which this optimizer does not keep: the update would be made as if the plan said "
+            "nothing (with master=fp32 over bf16, updates below 2^-8 of a weight round away). "
+            f"Build it with precision_annot.optimizer(model, torch.optim.{name}, lr=...).")
+
+    def _stale(self, optimizer: Any, param: torch.Tensor) -> None:
+        said: tuple[torch.dtype, str] | None = self.changed.get(param)  # type: ignore[no-untyped-call]
+        state = optimizer.state.get(param) if said is not None else None
+        if not state or said is None:
+            return
+        old, name = said
+        stale = [k for k, v in state.items() if isinstance(v, torch.Tensor)
+                 and v.dtype == old != param.dtype and v.shape == param.shape]
+        if stale:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): it holds state for parameter {name!r} "
+                f"({', '.join(stale)} in {dtype_name(old)}) built before precision_annot.apply "
+                f"stored that parameter in {dtype_name(param.dtype)}, and its update mixes the "
+                "two. Build the optimizer after apply; or, to keep its state, load it into the "
+                "new one (new.load_state_dict(old.state_dict()) casts the state to each "
+                "parameter's dtype).")
+
+
+_GUARD = StepGuard()
+
+
+def note(changed: Iterable[tuple[torch.Tensor, torch.dtype, str]],
+         planned: Iterable[tuple[torch.Tensor, Planned]]) -> None:
+    """`apply` made a plan real: `changed` are the parameters it stored in another dtype (with
+    the dtype they had and their name), `planned` every parameter with what the plan says."""
+    _GUARD.note(changed, planned)
+
+
+def forget(params: Iterable[torch.Tensor]) -> None:
+    """`remove` took the plan off: nothing is said about these parameters any more."""
+    for p in params:
+        _GUARD.planned.pop(p, None)  # type: ignore[no-untyped-call]
+        _GUARD.changed.pop(p, None)  # type: ignore[no-untyped-call]
+    _GUARD.generation += 1
+
+
+def planned(param: torch.Tensor) -> Planned | None:
+    """What the plan applied last says about `param`, or None when no applied plan holds it."""
+    said: Planned | None = _GUARD.planned.get(param)  # type: ignore[no-untyped-call]
+    return said
+
+
+def generation() -> int:
+    """Changes whenever `apply` or `remove` changes what is said about some parameter."""
+    return _GUARD.generation
+
+
+def planned_updates(plan: Mapping[str, Any], named: Mapping[str, nn.Module]
+                    ) -> list[tuple[torch.Tensor, Planned]]:
+    """Every parameter of the plan's modules (each shared one at its first holder, whose update
+    fields the plan's resolution made agree with the others') with what its module says."""
+    out: list[tuple[torch.Tensor, Planned]] = []
+    seen: set[int] = set()
+    for name, entry in plan.items():
+        fields = fields_of(entry.policy)
+        for pname, p in named[name].named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append((p, Planned(f"{name}.{pname}" if name else pname, fields)))
+    return out

@@ -1,0 +1,342 @@
+"""`optimizer`: the optimizer class you give, made to keep the plan's update half.
+
+`precision_annot.optimizer(model, torch.optim.AdamW, lr=...)` returns an instance of a class
+derived from `torch.optim.AdamW` (and from `PlanOptimizer`): torch's whole optimizer contract
+is AdamW's own (`defaults`, param groups, hooks, `state_dict`, `add_param_group`, closures,
+schedulers, `zero_grad`), and its `state` is keyed by the model's own parameters, holding for
+each what its step keeps: AdamW's moments and, where the plan says so, the fp32 master. Its
+step (step.py) presents each parameter to AdamW's own step as its rule says, and writes back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from precision_annot._src.dtypes import dtype_name, wider
+from precision_annot._src.guards import require_module
+from precision_annot._src.update import formats
+from precision_annot._src.update.rule import UpdateFields, UpdateRule, fields_of
+from precision_annot._src.update.step import (
+    items_of,
+    refusal,
+    rule_of,
+    run_step,
+    write_back,
+)
+
+__all__ = ["PlanOptimizer", "optimizer", "planned_class", "state_bytes"]
+
+#: what a planned optimizer keeps besides torch's `defaults`, `state` and `param_groups`
+_OWN = ("_precision_annot_fields", "_precision_annot_names", "_precision_annot_compile")
+
+
+class PlanOptimizer(Optimizer):
+    """The optimizers `precision_annot.optimizer` builds: each an instance of a class derived
+    from the optimizer class you gave (so `isinstance(opt, torch.optim.AdamW)` holds, and
+    everything torch's optimizers do, it does), whose step updates each parameter as the plan
+    applied to the model says: through an fp32 master copy, a working copy written back with
+    stochastic rounding, a state kept in another dtype or in torchao's low-bit formats.
+
+    `state[p]` holds what the class keeps for parameter `p` (its moments, in the planned
+    format) and, under a plan with `master=fp32`, `state[p]["master"]`; `state_dict()` is
+    torch's format (`state` and `param_groups`), low-bit states written as plain tensors.
+    """
+
+    # marks the optimizers that make a plan's update half real, for the step guard of apply
+    _precision_annot_updates = True
+    _precision_annot_base: type[Optimizer] = Optimizer
+    _precision_annot_fields: dict[torch.Tensor, UpdateFields]
+    _precision_annot_names: dict[torch.Tensor, str]
+    _precision_annot_compile: bool
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """The class's own step, each parameter presented as its rule says."""
+        return cast("float | None", run_step(self, closure))
+
+    def master(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The master copy the step updates for `param`, or None when it updates `param`
+        itself (or has not stepped it yet)."""
+        state = self.state.get(param)
+        master = state.get("master") if state else None
+        return master if isinstance(master, torch.Tensor) else None
+
+    def rule(self, param: torch.Tensor) -> UpdateRule:
+        """How the next step updates `param` (see `UpdateRule`)."""
+        return rule_of(self, param)[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's `state_dict` (`state` by parameter index, `param_groups`), with torchao's
+        low-bit states written as their plain inner tensors, so any `torch.load` reads it."""
+        saved: dict[str, Any] = super().state_dict()
+        return {**saved, "state": formats.portable(saved["state"])}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's `load_state_dict`, keeping each state in the format its rule plans (torch's
+        own casts every state tensor to its parameter's dtype): masters in their dtype, moments
+        in the planned dtype or low-bit format, whatever the checkpoint holds. A checkpoint
+        that holds a state narrower than planned is loaded widened, with a warning naming it.
+        Each parameter with a master is set from it (the master is the truth)."""
+        captured: list[dict[str, Any]] = []
+
+        def capture(opt: Optimizer, given: dict[str, Any]) -> None:
+            if "state" not in given or "param_groups" not in given:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict expects torch's optimizer state "
+                    f"dict (keys 'state' and 'param_groups'). Received keys: {sorted(given)}"
+                    + (" (a checkpoint of precision_annot 0.4's PlanOptimizer, which kept "
+                       "masters apart: load it with precision_annot 0.4 and save again)"
+                       if "engines" in given else ""))
+            captured.append(given)
+
+        def rebuild(opt: Optimizer) -> None:
+            del self._precision_annot_loading
+            _rebuild_state(self, captured[-1])
+
+        pre = self.register_load_state_dict_pre_hook(capture)  # after the user's pre-hooks
+        post = self.register_load_state_dict_post_hook(rebuild, prepend=True)
+        self._precision_annot_loading = True
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self.__dict__.pop("_precision_annot_loading", None)
+            pre.remove()
+            post.remove()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # low-bit states as their plain inner tensors: torchao's cannot be cloned (deepcopy)
+        state: dict[str, Any] = dict(super().__getstate__())
+        state["state"] = formats.portable(state["state"])
+        state.update({k: self.__dict__[k] for k in _OWN if k in self.__dict__})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # inside load_state_dict, torch's cast copies are replaced by `_rebuild_state` after
+        if "state" in state and not self.__dict__.get("_precision_annot_loading"):
+            state = {**state, "state": defaultdict(dict, {
+                k: ({n: formats.rebuilt(v) for n, v in s.items()} if isinstance(s, dict) else s)
+                for k, s in state["state"].items()})}
+        super().__setstate__(state)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # a class made at run time: pickled as its base class and its state
+        return (_bare, (type(self)._precision_annot_base,), self.__getstate__())
+
+    def __repr__(self) -> str:
+        layouts: dict[str, int] = {}
+        for item in items_of(self):
+            layouts[item.rule.describe()] = layouts.get(item.rule.describe(), 0) + 1
+        plan = "; ".join(f"{n} parameter(s) {k}" for k, n in layouts.items())
+        return f"{super().__repr__()}\nupdated by precision_annot: {plan or 'nothing'}"
+
+
+_CLASSES: dict[type[Optimizer], type[PlanOptimizer]] = {}
+
+
+def planned_class(optimizer_class: type[Optimizer]) -> type[PlanOptimizer]:
+    """The class `precision_annot.optimizer` instantiates for `optimizer_class`: derived from
+    `PlanOptimizer` and from it (made once per class)."""
+    made = _CLASSES.get(optimizer_class)
+    if made is None:
+        made = cast(type[PlanOptimizer], type(optimizer_class.__name__, (
+            PlanOptimizer, optimizer_class), {
+                "_precision_annot_base": optimizer_class,
+                "__module__": __name__,
+                "__qualname__": f"PlanOptimizer[{optimizer_class.__qualname__}]",
+                "__doc__": optimizer_class.__doc__}))
+        _CLASSES[optimizer_class] = made
+    return made
+
+
+def _bare(optimizer_class: type[Optimizer]) -> PlanOptimizer:
+    """A bare planned instance, for unpickling and deepcopy (its `__setstate__` follows)."""
+    made = planned_class(optimizer_class)
+    return made.__new__(made)
+
+
+def _rebuild_state(opt: PlanOptimizer, given: dict[str, Any]) -> None:
+    """After torch's `load_state_dict` (which cast every state tensor to its parameter's
+    dtype): each parameter's state rebuilt from the values as saved, in its rule's formats."""
+    saved_ids = chain.from_iterable(g["params"] for g in given["param_groups"])
+    params = chain.from_iterable(g["params"] for g in opt.param_groups)
+    id_map = dict(zip(saved_ids, params, strict=True))
+    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    narrowed: list[str] = []
+    for key, value in given["state"].items():
+        param = id_map.get(key)
+        if param is None or not isinstance(value, dict):  # not a parameter's: as torch loaded it
+            state[key] = opt.state.get(key, value)
+            continue
+        rule, name = rule_of(opt, param)
+        state[param] = _loaded(param, rule, value, name or f"#{key}", narrowed)
+    opt.__setstate__({"state": state, "param_groups": opt.param_groups})
+    opt.__dict__.pop("_precision_annot_layout", None)
+    if narrowed:
+        warnings.warn(
+            f"load_state_dict: the checkpoint holds {len(narrowed)} state tensor(s) narrower "
+            f"than planned ({', '.join(narrowed[:6])}{', ...' if len(narrowed) > 6 else ''}): "
+            "they are loaded widened, and the bits the checkpoint dropped do not come back.",
+            UserWarning, stacklevel=4)
+
+
+def _loaded(param: torch.Tensor, rule: UpdateRule, saved: dict[str, Any], name: str,
+            narrowed: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, raw in saved.items():
+        value = formats.rebuilt(raw)
+        if not isinstance(value, torch.Tensor) or key == "step":
+            out[key] = value  # torch keeps a step counter as saved (fused, capturable aside)
+        elif key == "master":
+            _load_master(param, rule, value, name, narrowed, out)
+        elif formats.is_moment(key, value, param):
+            out[key] = _load_moment(param, rule, key, value, f"{name} {key}", narrowed)
+        else:
+            out[key] = value.to(device=param.device, dtype=rule.working) if (
+                value.is_floating_point()) else value.to(device=param.device)
+    return out
+
+
+def _load_master(param: torch.Tensor, rule: UpdateRule, value: torch.Tensor, name: str,
+                 narrowed: list[str], out: dict[str, Any]) -> None:
+    value = value.to(device=param.device)
+    dtype = rule.master
+    if dtype is not None:
+        if wider(dtype, value.dtype):
+            narrowed.append(f"{name} master ({dtype_name(value.dtype)}, planned "
+                            f"{dtype_name(dtype)})")
+        out["master"] = value.to(dtype)
+        write_back(param, out["master"], rule)
+    else:
+        write_back(param, value, rule)  # no master planned: the stored weight takes it
+
+
+def _load_moment(param: torch.Tensor, rule: UpdateRule, key: str, value: torch.Tensor,
+                 name: str, narrowed: list[str]) -> torch.Tensor:
+    value = value.to(device=param.device)
+    planned = rule.state
+    low = formats.low_bit_of(value)
+    assert planned is not None
+    if isinstance(planned, torch.dtype):
+        if low is not None or wider(planned, value.dtype):
+            narrowed.append(f"{name} ({low or dtype_name(value.dtype)}, planned "
+                            f"{dtype_name(planned)})")
+        return formats.to_format(value, planned, param)
+    like = param if rule.master is None else param.detach().to(rule.master)
+    if not formats.quantized(planned, like):
+        if low is not None:
+            narrowed.append(f"{name} ({low}, planned {dtype_name(like.dtype)})")
+        return formats.to_format(value, like.dtype, like)
+    return formats.to_format(value, planned, like, signed=key not in formats.UNSIGNED)
+
+
+# -- building one -----------------------------------------------------------------------------
+
+def _model_params(model: nn.Module, plan: Any) -> tuple[dict[torch.Tensor, UpdateFields],
+                                                         dict[torch.Tensor, str]]:
+    """Each parameter of the model once (a shared one at its first holder), with its module's
+    update fields and its qualified name."""
+    fields: dict[torch.Tensor, UpdateFields] = {}
+    names: dict[torch.Tensor, str] = {}
+    for name, module in model.named_modules():
+        said = fields_of(plan[name].policy) if name in plan else UpdateFields()
+        for pname, p in module.named_parameters(recurse=False):
+            if p in names:
+                continue
+            fields[p] = said
+            names[p] = f"{name}.{pname}" if name else pname
+    return fields, names
+
+
+def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
+              params: Iterable[Any] | None = None, *, compile_step: bool = False,
+              **hyperparameters: Any) -> Any:
+    """An instance of `optimizer_class` that keeps the plan's update half: master copies,
+    gradient and state dtypes, low-bit states, stochastic rounding, per module.
+
+    It is the class you give, derived (`isinstance(opt, optimizer_class)` holds): param
+    groups, per-group hyperparameters, LR schedulers, hooks, `zero_grad`, `add_param_group`,
+    closures, `state_dict` / `load_state_dict`, deepcopy, pickling and
+    `torch.distributed.checkpoint` work as they do for it. Its step asks, per parameter, how
+    the plan applied to the model now updates it (so it may be built before `apply`):
+
+    - `master=fp32` over bf16 or fp16 storage: the class steps an fp32 master copy of the
+      parameter (`opt.state[p]["master"]`), from its gradient upcast a chunk of parameters
+      at a time, and the master is written back rounded into storage.
+    - `master="stochastic"` over bf16 storage: the class steps an fp32 copy made for the step,
+      written back with stochastic rounding (torchao's); any class.
+    - `grad=fp32`: the gradient is accumulated in fp32 (`Tensor.grad_dtype`), and the step
+      reads it as it is.
+    - `optim=bf16` (a float dtype): the state is kept in it between steps, and the class runs
+      on it upcast; any class. `optim="8bit"`, `"4bit"`, `"fp8"`: torchao's low-bit states,
+      through torchao's Adam update (Adam and AdamW; `fused=True` is refused there).
+
+    Args:
+        model: the model, its plan applied or its annotations resolved (wrappers are seen
+            through).
+        optimizer_class: a `torch.optim.Optimizer` class, e.g. `torch.optim.AdamW`, or a
+            third-party one.
+        params: what torch's optimizers take: parameters, (name, parameter) pairs, or group
+            dicts with per-group hyperparameters. None takes every parameter of the model (a
+            frozen one is skipped while it has no gradient, as torch does). (Default: None)
+        compile_step: run torchao's low-bit update through `torch.compile` (one kernel per
+            parameter shape; the first step compiles). (Default: False)
+        **hyperparameters: for `optimizer_class` (`lr`, `weight_decay`, ...).
+
+    Returns:
+        An instance of `optimizer_class` (and of `PlanOptimizer`).
+
+    Raises:
+        TypeError: `optimizer_class` is not an optimizer class.
+        ValueError: an update the class cannot make (a low-bit state with another class than
+            Adam or AdamW, or with `fused=True`), naming the parameters.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import precision_annot as pa
+        >>> model = pa.apply(nn.Linear(8, 8), default="bf16-true,master=fp32")
+        >>> opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        >>> isinstance(opt, torch.optim.AdamW)
+        True
+        >>> model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+        >>> opt.state[model.weight]["master"].dtype
+        torch.float32
+    """
+    from precision_annot._src.runtime import subject  # deferred: runtime imports the guard
+
+    require_module(model, "optimizer")
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+        raise TypeError("optimizer: optimizer_class must be a torch.optim.Optimizer class, "
+                        f"e.g. torch.optim.AdamW. Received: {optimizer_class!r}")
+    given = subject(model, "optimizer")
+    target = given.model if given.model is not None else model
+    fields, names = _model_params(target, given.plan)
+    if params is None:
+        params = [p for p in names if p.is_floating_point() or p.is_complex()]
+        if not params:
+            raise ValueError("optimizer: the model has no floating parameters.")
+    made = planned_class(optimizer_class)
+    opt = made(params, **hyperparameters)
+    opt._precision_annot_fields = fields
+    opt._precision_annot_names = names
+    opt._precision_annot_compile = bool(compile_step)
+    low = [i for i in items_of(opt) if i.rule.engine == "torchao"]
+    why = refusal(opt, low)
+    if why is not None:
+        raise ValueError(f"optimizer: {why}")
+    return opt
+
+
+def state_bytes(optimizer: Optimizer) -> int:
+    """The bytes of every tensor an optimizer's state holds on this rank (masters included; a
+    low-bit state's codes, scales and maps; a DTensor's local shard)."""
+    return sum(formats.nbytes(v) for s in optimizer.state.values() if isinstance(s, dict)
+               for v in s.values() if isinstance(v, torch.Tensor))
