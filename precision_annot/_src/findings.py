@@ -34,7 +34,7 @@ from precision_annot._src.dtypes import (
 )
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, parent_name
 from precision_annot._src.policy import FIELDS
-from precision_annot._src.update.rule import module_rules
+from precision_annot._src.update.rule import fields_of, module_rules, rule_for
 
 __all__ = ["SEVERITIES", "Finding", "Severity", "drift", "drifts", "listing", "numerics",
            "outermost"]
@@ -245,7 +245,10 @@ def _low_storage(plan: PrecisionPlan, backend: str | None) -> Iterator[Finding]:
     def bare(entry: ModulePlan) -> bool:
         if backend == "deepspeed":  # its bf16 and fp16 modes keep fp32 master weights
             return entry.policy.master == entry.policy.storage
-        return not any(r.master is not None or r.stochastic for _, r in module_rules(entry))
+        policy = entry.policy
+        rules = [r for _, r in module_rules(entry)] or (  # none of its own: as it plans
+            [rule_for(fields_of(policy), policy.storage)] if policy.storage else [])
+        return not any(r.master is not None or r.stochastic for r in rules)
 
     low = [n for n, e in plan.items()
            if e.policy.storage in LOW_PRECISION and subtree[n] and bare(e)]

@@ -27,7 +27,8 @@ def ranks(mode: str, tmp_path: Path) -> list[dict[str, Any]]:
 
 def test_fsdp2_shards_the_fp32_masters_and_gathers_them_in_bf16(tmp_path: Path) -> None:
     """storage=bf16,master=fp32 under FSDP2: fp32 shards (the masters, no third copy),
-    gathered in bf16 for the forward, 8-bit states on the shards; each rank holds half."""
+    gathered in bf16 for the forward, 8-bit states on the shards; each rank holds half; and
+    torch.distributed.checkpoint's get/set_optimizer_state_dict round-trip the optimizer."""
     fsdp2 = ranks("fsdp2", tmp_path)
     figure = pa.resolve(model()).memory("adamw")
     for r in fsdp2:
@@ -39,6 +40,10 @@ def test_fsdp2_shards_the_fp32_masters_and_gathers_them_in_bf16(tmp_path: Path) 
         # the local layout (bf16 weights, fp32 masters), which keeps a bf16 copy besides
         assert r["bytes"] < 0.55 * figure.total()
     assert fsdp2[0]["params"] == fsdp2[1]["params"]
+    for r in fsdp2:  # torch.distributed.checkpoint: saved, loaded into a fresh run, equal
+        assert r["dcp"]["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias",
+                                    "3.weight"]
+        assert r["dcp"]["kinds"] == ["OptimState8bit", "Tensor"] and r["dcp"]["worst"] == 0
 
 
 @pytest.mark.slow  # 6 s: the same run under DDP, each rank a replica

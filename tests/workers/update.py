@@ -10,6 +10,7 @@ its Linear layers computed in, the losses, and its parameters whole.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,8 +77,44 @@ def main() -> None:
         "masters": sorted({dtype_name(local(s["master"]).dtype)
                            for s in optimizer.state.values() if "master" in s}),
     }
+    if path.name.startswith("fsdp2"):
+        out["dcp"] = dcp_round_trip(net, runner, optimizer, path.parent, x, y)
     path.write_text(json.dumps(out))
     leave()
+
+
+def dcp_round_trip(net: nn.Module, runner: nn.Module, optimizer: Any, outdir: Path,
+                   x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """torch.distributed.checkpoint: the optimizer's state (fp32 shards, 8-bit states on them)
+    saved with get_optimizer_state_dict, loaded into a fresh sharded model and optimizer with
+    set_optimizer_state_dict; then one more step of each, compared."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from tests.workers.dist import MODES
+
+    where = str(outdir / "dcp")
+    saved = get_optimizer_state_dict(net, optimizer)
+    dcp.save({"optim": saved}, checkpoint_id=where)
+    fresh = model()
+    fresh_runner = MODES["fsdp2"](fresh, pa.resolve(fresh))
+    fresh.load_state_dict(net.state_dict())
+    again = pa.optimizer(fresh, torch.optim.AdamW, lr=3e-3)
+    target = {"optim": get_optimizer_state_dict(fresh, again)}
+    dcp.load(target, checkpoint_id=where)
+    set_optimizer_state_dict(fresh, again, target["optim"])
+    kinds = sorted({type(local(v)).__name__ for s in again.state.values()
+                    for k, v in s.items() if k == "exp_avg"})
+    for m, r, o in ((net, runner, optimizer), (fresh, fresh_runner, again)):
+        o.zero_grad()
+        nn.functional.mse_loss(r(x).float(), y).backward()
+        o.step()
+    worst = max(float((local(p) - local(q)).abs().max()) for p, q in zip(
+        net.parameters(), fresh.parameters(), strict=True))
+    return {"keys": sorted(saved["state"]), "kinds": kinds, "worst": worst}
 
 
 if __name__ == "__main__":

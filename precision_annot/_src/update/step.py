@@ -278,7 +278,7 @@ def refusal(optimizer: Any, items: Sequence[Item]) -> str | None:
                 f"{base.__name__}. Use torch.optim.AdamW or torch.optim.Adam, or plan those "
                 "modules with a float optim (optim=bf16 works with any class).")
     groups = {i.group for i in items}
-    for flag in ("fused", "capturable", "differentiable"):
+    for flag in ("fused", "capturable", "differentiable", "amsgrad"):
         if any(optimizer.param_groups[g].get(flag) for g in groups):
             return (f"{what} runs through torchao's Adam update, which has no {flag} form: "
                     f"{flag}=True cannot be honoured there. Leave {flag} unset, or plan those "
