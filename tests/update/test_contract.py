@@ -572,7 +572,7 @@ def test_non_empty_state(case: Case) -> None:
     assert set(opt.state) <= set(model.parameters())  # keyed by the model's own parameters
 
 
-# -- what the issue adds to torch's checks ----------------------------------------------------------
+# -- what the issue adds to torch's checks ------------------------------------------------
 
 @pytest.mark.parametrize("case", cases(("masters", "AdamW")))
 def test_it_is_the_class_with_its_defaults_and_one_cycle_works(case: Case) -> None:

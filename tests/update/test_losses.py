@@ -123,7 +123,7 @@ def test_fp16_gradients_are_unscaled_into_fp32_as_apex_o2_does() -> None:
     assert all(p.grad.dtype == fp16 for p in model.parameters())  # the next backward: as before
 
 
-# -- a weight shared by two update plans ------------------------------------------------------------
+# -- a weight shared by two update plans ----------------------------------------------------
 
 class Tied(nn.Module):
     def __init__(self) -> None:
@@ -147,7 +147,7 @@ def test_a_weight_shared_by_a_master_module_and_a_plain_one_is_an_error_naming_b
     assert opt.master(model.embed.weight).dtype == fp32
 
 
-# -- checkpoints across layouts -----------------------------------------------------------------------
+# -- checkpoints across layouts ---------------------------------------------------------------
 
 def run(spec: str, steps: int = 3) -> tuple[nn.Module, Any]:
     model = pa.apply(mlp(), default=spec)

@@ -108,7 +108,7 @@ def dcp_round_trip(net: nn.Module, runner: nn.Module, optimizer: Any, outdir: Pa
     set_optimizer_state_dict(fresh, again, target["optim"])
     kinds = sorted({type(local(v)).__name__ for s in again.state.values()
                     for k, v in s.items() if k == "exp_avg"})
-    for m, r, o in ((net, runner, optimizer), (fresh, fresh_runner, again)):
+    for r, o in ((runner, optimizer), (fresh_runner, again)):
         o.zero_grad()
         nn.functional.mse_loss(r(x).float(), y).backward()
         o.step()
