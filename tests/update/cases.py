@@ -185,6 +185,33 @@ def _rng(seed: int | None) -> Iterator[None]:
         yield
 
 
+def grad_like(p: torch.Tensor, value: float = 0.0) -> torch.Tensor:
+    """A gradient for `p` in the dtype it accumulates in (`grad_dtype`: fp32 with grad=fp32)."""
+    dtype = p.grad_dtype if p.grad_dtype is not None else p.dtype
+    return torch.full_like(p, value, dtype=dtype)
+
+
+#: where a class itself does not keep a check of torch's contract, as torch's own suite skips
+#: it (LBFGS) or the class fails it on its own (bitsandbytes' Lion), the reason
+LIMITS: dict[tuple[str, str], str] = {
+    **{(check, "LBFGS"): "LBFGS takes one parameter group" for check in (
+        "param_groups_weight_decay", "param_group_with_lrscheduler", "add_param_group")},
+    **{(check, "Lion"): "bitsandbytes' load_state_dict runs no load hooks and drops "
+       "param_names" for check in ("load_state_dict_pre_hook_and_prepend",
+                                   "load_state_dict_post_hook", "load_state_dict_pre_post_hook",
+                                   "can_load_from_to_named_state_dict",
+                                   "state_dict_deterministic")},
+    ("distributed_checkpoint", "LBFGS"): "DCP initialises an empty optimizer's state with "
+    "step(closure=None), which LBFGS refuses",
+}
+#: the flags each class did not have at first (torch's `not_og_supported_flags`)
+OLD_FLAGS: dict[str, tuple[str, ...]] = {"Adafactor": ("foreach",), "LBFGS": ()}
+
+
+def limited(check: str) -> Callable[[Case], bool]:
+    return lambda case: (check, case.name) in LIMITS
+
+
 def stored(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 

@@ -29,10 +29,13 @@ import precision_annot as pa
 from precision_annot._src.update.optimizer import state_bytes
 from tests.update.cases import (
     CLASSES,
+    OLD_FLAGS,
     Case,
     Toy,
     build,
     cases,
+    grad_like,
+    limited,
     loss_of,
     model_for,
     step,
@@ -105,13 +108,15 @@ def _escaped(text: str) -> str:
                                        layouts=("plain", "masters", "stochastic", "grad32")))
 def test_errors_at_step(case: Case) -> None:
     model, opt = build(case)
-    model.weight.grad = torch.zeros_like(model.weight).to_sparse()
+    model.weight.grad = grad_like(model.weight).to_sparse()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         opt.step()
 
 
-@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "noncontiguous"])
-@pytest.mark.parametrize("with_lrsched", [False, True], ids=["", "lrsched"])
+@pytest.mark.parametrize("contiguous", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["contiguous", "noncontiguous"])
+@pytest.mark.parametrize("with_lrsched", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["", "lrsched"])
 @pytest.mark.parametrize("case", cases(("stochastic", "SGD")))
 def test_forloop_goes_right_direction(case: Case, contiguous: bool, with_lrsched: bool) -> None:
     model = Toy(contiguous=contiguous)
@@ -128,7 +133,8 @@ def test_forloop_goes_right_direction(case: Case, contiguous: bool, with_lrsched
     assert loss_of(model).item() < first
 
 
-@pytest.mark.parametrize("case", cases(("8bit", "AdamW")))
+@pytest.mark.parametrize("case", cases(("8bit", "AdamW"),
+                                       skip=limited("param_group_with_lrscheduler")))
 def test_param_group_with_lrscheduler_goes_right_direction(case: Case) -> None:
     model = model_for(case)
     _, opt = build(case, [{"params": [model.weight]}, {"params": [model.bias], "lr": 0.01}],
@@ -171,25 +177,30 @@ class ComplexToy(nn.Module):
     "plain", "masters", "grad32", "stochastic"), skip=lambda c: c.name in ("Lion", "Adafactor")))
 def test_complex(case: Case) -> None:
     """A complex64 parameter gets no real master (which would drop its imaginary part): it is
-    stepped as the class steps it, equal to the class over its real view."""
+    stepped exactly as the class steps it (and, for a pointwise class, as the class steps its
+    real view, as torch's check asks), beside a real parameter that has one."""
     model = pa.apply(ComplexToy(), default=case.spec)
     assert model.z.dtype == torch.complex64
-    opt = pa.optimizer(model, case.cls, [model.z], **case.kwargs)
+    # LBFGS steps all its parameters as one vector: there, the complex one alone
+    opt = pa.optimizer(model, case.cls, [model.z] if case.closure_needed else None,
+                       **case.kwargs)
+    twin = nn.Parameter(model.z.detach().clone())
     real = nn.Parameter(torch.view_as_real(model.z.detach()).clone())
-    plain = case.cls([real], **case.kwargs)
+    plain, as_real = case.cls([twin], **case.kwargs), case.cls([real], **case.kwargs)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         grad = torch.randn(8, 5, 2, generator=gen)
-        model.z.grad, real.grad = torch.view_as_complex(grad.clone()), grad.clone()
+        model.z.grad = torch.view_as_complex(grad.clone())
+        twin.grad, real.grad = torch.view_as_complex(grad.clone()), grad.clone()
+        model.w.grad = grad_like(model.w, 0.5)
         loss = torch.randn(1, generator=gen)
-        if case.closure_needed:
-            opt.step(lambda loss=loss: loss)
-            plain.step(lambda loss=loss: loss)
-        else:
-            opt.step()
-            plain.step()
+        for o in (opt, plain, as_real):
+            o.step(lambda loss=loss: loss) if case.closure_needed else o.step()
     assert opt.master(model.z) is None and model.z.imag.abs().sum() > 0
-    same(torch.view_as_real(model.z.detach()), real.detach())
+    same(model.z.detach(), twin.detach())
+    same(torch.view_as_real(model.z.detach()), real.detach(), close=1)
+    assert case.layout in ("plain", "stochastic") or case.closure_needed or (
+        opt.master(model.w) is not None)
 
 
 def _compare_flag(case: Case, flag: str, steps: int = 7) -> None:
@@ -245,7 +256,8 @@ def test_amsgrad_is_refused_on_a_low_bit_state_naming_it(case: Case) -> None:
         pa.optimizer(model_for(case), case.cls, lr=1e-3, amsgrad=True)
 
 
-@pytest.mark.parametrize("case", cases(("stochastic", "Adagrad")))
+@pytest.mark.parametrize("case", cases(("stochastic", "Adagrad"),
+                                       skip=limited("param_groups_weight_decay")))
 def test_param_groups_weight_decay(case: Case) -> None:
     model = model_for(case)
     kwargs = {k: v for k, v in case.kwargs.items()}
@@ -294,7 +306,7 @@ def test_step_is_noop_when_params_have_no_grad(case: Case) -> None:
     before = stored(model)
     opt.step(lambda: torch.tensor([1.0]))
     same(stored(model), before)
-    assert len(opt.state) == 0
+    assert all(opt.master(p) is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("case", cases(("stochastic", "Adadelta"),
@@ -307,7 +319,7 @@ def test_step_is_noop_for_zero_grads(case: Case) -> None:
     model, opt = build(case, **kwargs)
     before = stored(model)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)
+        p.grad = grad_like(p)
     opt.step(lambda: torch.tensor([1.0]))
     same(stored(model), before)
 
@@ -324,9 +336,10 @@ def _named(model: nn.Module, named: bool) -> Any:
     return list(model.named_parameters()) if named else list(model.parameters())
 
 
-@pytest.mark.parametrize("named", [(False, False), (True, False), (False, True)],
+@pytest.mark.parametrize("named", [(False, False), *(pytest.param(n, marks=pytest.mark.slow)
+                                                      for n in ((True, False), (False, True)))],
                          ids=["unnamed", "named-from", "named-to"])
-@pytest.mark.parametrize("case", cases(("8bit", "AdamW")))
+@pytest.mark.parametrize("case", cases(("8bit", "AdamW"), skip=limited("state_dict_deterministic")))
 def test_state_dict_deterministic(case: Case, named: tuple[bool, bool]) -> None:
     """A second optimizer loaded from the first's state dict steps as it does, and their
     state dicts are equal; repeated groups are saved alike."""
@@ -365,15 +378,17 @@ def test_can_load_older_state_dict(case: Case) -> None:
         step(case, model, opt, seed=i)
     old = copy.deepcopy(opt.state_dict())
     for group in old["param_groups"]:
-        for flag in NEW_FLAGS:
+        for flag in OLD_FLAGS.get(case.name, NEW_FLAGS):
             group.pop(flag, None)
     opt.load_state_dict(old)
     step(case, model, opt)
 
 
-@pytest.mark.parametrize("named", [(True, False), (False, True), (True, True)],
+@pytest.mark.parametrize("named", [(True, False), *(pytest.param(n, marks=pytest.mark.slow)
+                                                     for n in ((False, True), (True, True)))],
                          ids=["named-unnamed", "unnamed-named", "named-named"])
-@pytest.mark.parametrize("case", cases(("masters", "RAdam")))
+@pytest.mark.parametrize("case", cases(("masters", "RAdam"),
+                                       skip=limited("can_load_from_to_named_state_dict")))
 def test_can_load_from_to_named_state_dict(case: Case, named: tuple[bool, bool]) -> None:
     model = model_for(case)
     _, opt = build(case, _named(model, named[0]), model=model)
@@ -385,7 +400,8 @@ def test_can_load_from_to_named_state_dict(case: Case, named: tuple[bool, bool])
     assert again.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
 
 
-@pytest.mark.parametrize("named", [False, True], ids=["unnamed", "named"])
+@pytest.mark.parametrize("named", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["unnamed", "named"])
 @pytest.mark.parametrize("case", cases(("8bit", "AdamW")))
 def test_save_load_equality_with_weights_only(case: Case, named: bool) -> None:
     """The state dict (masters, 8-bit states) saves and loads back equal, also with
@@ -413,8 +429,8 @@ def test_load_nontensor_step(case: Case) -> None:
             state["step"] = state["step"].item()
     opt.load_state_dict(sd)
     step(case, model, opt)
-    steps = [s["step"] for s in opt.state.values() if "step" in s]
-    assert steps and all(torch.is_tensor(s) and s.item() == 4 for s in steps), steps
+    steps = [float(s["step"]) for s in opt.state.values() if "step" in s]
+    assert all(s == 4 for s in steps), steps  # SGD keeps none
 
 
 def _sd_pre(opt: Any) -> None:
@@ -457,7 +473,8 @@ def _load_post(opt: Any) -> None:
     opt.state["ran_load_state_dict_post_hook"] = True
 
 
-@pytest.mark.parametrize("case", cases(("masters", "SGD")))
+@pytest.mark.parametrize("case", cases(("masters", "SGD"),
+                                       skip=limited("load_state_dict_pre_hook_and_prepend")))
 def test_load_state_dict_pre_hook_and_prepend(case: Case) -> None:
     model, opt = build(case)
     step(case, model, opt)
@@ -471,7 +488,8 @@ def test_load_state_dict_pre_hook_and_prepend(case: Case) -> None:
     step(case, model, opt)
 
 
-@pytest.mark.parametrize("case", cases(("masters", "SGD")))
+@pytest.mark.parametrize("case", cases(("masters", "SGD"),
+                                       skip=limited("load_state_dict_post_hook")))
 def test_load_state_dict_post_hook(case: Case) -> None:
     model, opt = build(case)
     step(case, model, opt)
@@ -482,7 +500,8 @@ def test_load_state_dict_post_hook(case: Case) -> None:
     step(case, model, opt)
 
 
-@pytest.mark.parametrize("case", cases(("8bit", "AdamW")))
+@pytest.mark.parametrize("case", cases(("8bit", "AdamW"),
+                                       skip=limited("load_state_dict_pre_post_hook")))
 def test_load_state_dict_pre_post_hook(case: Case) -> None:
     model, opt = build(case)
     step(case, model, opt)
@@ -491,7 +510,8 @@ def test_load_state_dict_pre_post_hook(case: Case) -> None:
     opt.load_state_dict(opt.state_dict())
     assert opt.state["ran_load_state_dict_pre_hook2"] is True
     assert opt.state["ran_load_state_dict_post_hook"] is True
-    assert type(opt.state[model.weight]["exp_avg"]).__name__ == "OptimState8bit"
+    if case.layout == "8bit":
+        assert type(opt.state[model.weight]["exp_avg"]).__name__ == "OptimState8bit"
 
 
 @pytest.mark.parametrize("case", cases(("8bit", "Adam")))
@@ -552,6 +572,29 @@ def test_deepcopy_copies_all_public_attrs(case: Case) -> None:
     same(truth(opt, model), truth(pair[1], pair[0]))
 
 
+@pytest.mark.parametrize("case", cases(("masters", "Adam"), skip=lambda c: c.closure_needed))
+def test_step_with_a_closure_equals_closure_then_step(case: Case) -> None:
+    """`step(closure)` with a closure that zeroes the gradients and re-evaluates the model
+    (the form torch's older checks use) steps as calling the closure, then `step()`."""
+    a, b = build(case), build(case)
+    for i in range(4):
+        with torch.random.fork_rng():
+            torch.manual_seed(i)
+            a[1].step(lambda: _closure(*a))
+        with torch.random.fork_rng():
+            torch.manual_seed(i)
+            _closure(*b)
+            b[1].step()
+    same(truth(a[1], a[0]), truth(b[1], b[0]))
+
+
+def _closure(model: Toy, opt: Any) -> torch.Tensor:
+    opt.zero_grad()
+    loss = loss_of(model)
+    loss.backward()
+    return loss
+
+
 @pytest.mark.parametrize("case", cases(("masters", "LBFGS"), classes=("LBFGS",)))
 def test_second_order_optims_return_consistent_types(case: Case) -> None:
     model = model_for(case)
@@ -559,12 +602,12 @@ def test_second_order_optims_return_consistent_types(case: Case) -> None:
     for tolerance in (float("inf"), -float("inf")):
         _, opt = build(case, model=model, tolerance_grad=tolerance)
         for p in model.parameters():
-            p.grad = torch.ones_like(p)
+            p.grad = grad_like(p, 1.0)
         results.append(opt.step(lambda: torch.tensor([10.0])))
     assert type(results[0]) is type(results[1])
 
 
-@pytest.mark.parametrize("case", cases(("stochastic", "Lion")))
+@pytest.mark.parametrize("case", cases(("stochastic", "SGD")))
 def test_non_empty_state(case: Case) -> None:
     model, opt = build(case)
     step(case, model, opt)
@@ -587,7 +630,7 @@ def test_it_is_the_class_with_its_defaults_and_one_cycle_works(case: Case) -> No
             scheduler.step()
 
 
-@pytest.mark.parametrize("case", cases(("grad32", "Adagrad")))
+@pytest.mark.parametrize("case", cases(("grad32", "Adagrad"), skip=limited("add_param_group")))
 def test_add_param_group_is_stepped(case: Case) -> None:
     model = model_for(case)
     _, opt = build(case, [model.weight], model=model)
@@ -668,8 +711,10 @@ def test_a_module_frozen_at_build_and_unfrozen_later_moves(case: Case) -> None:
     model.bias.requires_grad_(False)
     _, opt = build(case, model=model)
     assert any(p is model.bias for g in opt.param_groups for p in g["params"])
+    frozen = model.bias.detach().clone()
     step(case, model, opt)
-    assert model.bias not in opt.state
+    same(model.bias.detach(), frozen)
+    assert opt.master(model.bias) is None
     model.bias.requires_grad_(True)
     before = model.bias.detach().clone()
     step(case, model, opt, seed=1)
@@ -677,7 +722,8 @@ def test_a_module_frozen_at_build_and_unfrozen_later_moves(case: Case) -> None:
     assert case.layout != "masters" or opt.master(model.bias) is not None
 
 
-@pytest.mark.parametrize("case", cases(("masters", "AdamW")))
+@pytest.mark.parametrize("case", cases(("masters", "AdamW"), classes=(
+    "AdamW", "Adam", "SGD", "RMSprop", "Adagrad")))  # the classes plan.memory knows
 def test_state_holds_masters_and_moments_keyed_by_the_model_parameters(case: Case) -> None:
     model, opt = build(case)
     step(case, model, opt)
@@ -688,10 +734,13 @@ def test_state_holds_masters_and_moments_keyed_by_the_model_parameters(case: Cas
     assert state_bytes(opt) == figure.total("master_bytes") + figure.total("state_bytes")
 
 
-@pytest.mark.parametrize("case", cases(("8bit", "AdamW"), skip=lambda c: c.name == "Lion"))
+@pytest.mark.parametrize("case", cases(("8bit", "AdamW"), skip=lambda c: (
+    c.layout == "grad32") or limited("distributed_checkpoint")(c)))
 def test_distributed_checkpoint_state_dict_round_trips(case: Case) -> None:
     """`torch.distributed.checkpoint`'s get_optimizer_state_dict / set_optimizer_state_dict,
-    on one process: a new optimizer set from it steps as the original does."""
+    on one process: a new optimizer set from it steps as the original does. (Not with
+    grad=fp32: DCP initialises an empty optimizer's state by assigning each parameter a
+    zero gradient of the parameter's own dtype, which `grad_dtype=float32` refuses.)"""
     from torch.distributed.checkpoint.state_dict import (
         get_optimizer_state_dict,
         set_optimizer_state_dict,
@@ -701,7 +750,7 @@ def test_distributed_checkpoint_state_dict_round_trips(case: Case) -> None:
     for i in range(3):
         step(case, model, opt, seed=i)
     saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
-    assert set(saved["state"]) == {"weight", "bias"}
+    assert set(saved["state"]) == ({"weight"} if case.name == "LBFGS" else {"weight", "bias"})
     twin = model_for(case, seed=1)
     twin.load_state_dict(model.state_dict())
     _, twin_opt = build(case, model=twin)

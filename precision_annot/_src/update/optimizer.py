@@ -34,8 +34,9 @@ from precision_annot._src.update.step import (
 
 __all__ = ["PlanOptimizer", "optimizer", "planned_class", "state_bytes"]
 
-#: what a planned optimizer keeps besides torch's `defaults`, `state` and `param_groups`
-_OWN = ("_precision_annot_fields", "_precision_annot_names", "_precision_annot_compile")
+#: attributes a copy or a pickle leaves out: hooks (as torch does), and what a step rebuilds
+_TRANSIENT = ("_optimizer_", "_precision_annot_layout", "_precision_annot_presented",
+              "_precision_annot_loading")
 
 
 class PlanOptimizer(Optimizer):
@@ -60,6 +61,19 @@ class PlanOptimizer(Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The class's own step, each parameter presented as its rule says."""
         return cast("float | None", run_step(self, closure))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's `zero_grad`; inside a step (a closure that re-evaluates the model), the
+        model's own parameters too, while the class sees their masters."""
+        super().zero_grad(set_to_none)
+        for p in self.__dict__.get("_precision_annot_presented", ()):
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     def master(self, param: torch.Tensor) -> torch.Tensor | None:
         """The master copy the step updates for `param`, or None when it updates `param`
@@ -100,21 +114,30 @@ class PlanOptimizer(Optimizer):
             del self._precision_annot_loading
             _rebuild_state(self, captured[-1])
 
+        capture(self, state_dict)  # refused before anything changes
+        captured.clear()
         pre = self.register_load_state_dict_pre_hook(capture)  # after the user's pre-hooks
         post = self.register_load_state_dict_post_hook(rebuild, prepend=True)
         self._precision_annot_loading = True
         try:
             super().load_state_dict(state_dict)
+            if self.__dict__.get("_precision_annot_loading"):  # a class whose own load runs
+                del self._precision_annot_loading  # no hooks (bitsandbytes')
+                _rebuild_state(self, captured[-1] if captured else state_dict)
         finally:
             self.__dict__.pop("_precision_annot_loading", None)
             pre.remove()
             post.remove()
 
     def __getstate__(self) -> dict[str, Any]:
-        # low-bit states as their plain inner tensors: torchao's cannot be cloned (deepcopy)
-        state: dict[str, Any] = dict(super().__getstate__())
+        """torch's (`defaults`, `state`, `param_groups`), and what the class and this one keep
+        besides (LBFGS's `_params`, a third-party class's attributes, the plan's fields), but
+        hooks, which torch leaves out too; low-bit states as their plain inner tensors, since
+        torchao's cannot be cloned (deepcopy)."""
+        state: dict[str, Any] = {k: v for k, v in self.__dict__.items()
+                                 if not k.startswith(_TRANSIENT)}
+        state.update(super().__getstate__())
         state["state"] = formats.portable(state["state"])
-        state.update({k: self.__dict__[k] for k in _OWN if k in self.__dict__})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -162,20 +185,22 @@ def _bare(optimizer_class: type[Optimizer]) -> PlanOptimizer:
 
 
 def _rebuild_state(opt: PlanOptimizer, given: dict[str, Any]) -> None:
-    """After torch's `load_state_dict` (which cast every state tensor to its parameter's
-    dtype): each parameter's state rebuilt from the values as saved, in its rule's formats."""
+    """After the class's `load_state_dict` (torch's casts every state tensor to its
+    parameter's dtype): each parameter's master and moments rebuilt from the values as saved,
+    in its rule's formats, other tensors in the dtype the class computes in; what the class's
+    load made of the rest (a step counter, a third-party class's own packing) stays."""
     saved_ids = chain.from_iterable(g["params"] for g in given["param_groups"])
     params = chain.from_iterable(g["params"] for g in opt.param_groups)
     id_map = dict(zip(saved_ids, params, strict=True))
-    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+    state: defaultdict[Any, dict[str, Any]] = defaultdict(dict, opt.state)
     narrowed: list[str] = []
     for key, value in given["state"].items():
         param = id_map.get(key)
-        if param is None or not isinstance(value, dict):  # not a parameter's: as torch loaded it
-            state[key] = opt.state.get(key, value)
+        if param is None or not isinstance(value, dict):  # not a parameter's: as loaded
             continue
         rule, name = rule_of(opt, param)
-        state[param] = _loaded(param, rule, value, name or f"#{key}", narrowed)
+        state[param] = _loaded(param, rule, value, dict(opt.state.get(param, {})),
+                               name or f"#{key}", narrowed)
     opt.__setstate__({"state": state, "param_groups": opt.param_groups})
     opt.__dict__.pop("_precision_annot_layout", None)
     if narrowed:
@@ -186,21 +211,41 @@ def _rebuild_state(opt: PlanOptimizer, given: dict[str, Any]) -> None:
             UserWarning, stacklevel=4)
 
 
-def _loaded(param: torch.Tensor, rule: UpdateRule, saved: dict[str, Any], name: str,
-            narrowed: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _loaded(param: torch.Tensor, rule: UpdateRule, saved: dict[str, Any],
+            loaded: dict[str, Any], name: str, narrowed: list[str]) -> dict[str, Any]:
+    """One parameter's state: `loaded` (what the class's load made of it) with its master,
+    its moments and its other tensors taken again from `saved`."""
+    out = dict(loaded)
     for key, raw in saved.items():
         value = formats.rebuilt(raw)
-        if not isinstance(value, torch.Tensor) or key == "step":
-            out[key] = value  # torch keeps a step counter as saved (fused, capturable aside)
-        elif key == "master":
+        if key == "step" or not _holds_tensors(value):
+            continue  # as the class loaded it (a step counter where it was saved)
+        if key == "master":
+            out.pop("master", None)
             _load_master(param, rule, value, name, narrowed, out)
         elif formats.is_moment(key, value, param):
             out[key] = _load_moment(param, rule, key, value, f"{name} {key}", narrowed)
         else:
-            out[key] = value.to(device=param.device, dtype=rule.working) if (
-                value.is_floating_point()) else value.to(device=param.device)
+            out[key] = _in_working(value, param, rule)
     return out
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _in_working(value: Any, param: torch.Tensor, rule: UpdateRule) -> Any:
+    """A tensor (or a list of them: LBFGS's history) on the parameter's device, floating ones
+    in the dtype the class computes in."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_in_working(v, param, rule) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point():
+        return value.to(device=param.device, dtype=rule.working)
+    return value.to(device=param.device)
 
 
 def _load_master(param: torch.Tensor, rule: UpdateRule, value: torch.Tensor, name: str,

@@ -220,12 +220,14 @@ def own_step(cls: type) -> StepFn:
 
 def _wrapped(closure: Callable[[], Any], presented: list[_Presented]) -> Callable[[], Any]:
     """The closure as a class that re-evaluates the model (LBFGS's line search) needs it: the
-    model sees what is being updated (written back), and the class sees the new gradients."""
+    model sees what is being updated (written back rounded to nearest: the step's own write
+    back, after it, rounds as the rule says), and the class sees the new gradients."""
     moved = [pr for pr in presented if pr.stand is not pr.item.param]
 
     def again() -> Any:
-        for pr in moved:
-            write_back(pr.item.param, pr.stand, pr.item.rule)
+        with torch.no_grad():
+            for pr in moved:
+                pr.item.param.copy_(pr.stand)
         with torch.enable_grad():
             loss = closure()
         for pr in moved:
@@ -252,9 +254,14 @@ def _class_step(optimizer: Any, items: list[Item], closure: Any) -> Any:
             for index, group in enumerate(groups):
                 group["params"][:] = [stands.get(id(i.param), i.param) for i in chunk
                                       if i.group == index]
+            # a closure's `optimizer.zero_grad()` zeroes the groups, which hold the stand-ins
+            # now: it zeroes the model's own parameters too (PlanOptimizer.zero_grad)
+            optimizer._precision_annot_presented = [pr.item.param for pr in presented
+                                                    if pr.stand is not pr.item.param]
             try:
                 out = step(optimizer, None if closure is None else _wrapped(closure, presented))
             finally:
+                optimizer._precision_annot_presented = []
                 for pr in presented:
                     _restore(optimizer, pr)
             loss = out if loss is None else loss
