@@ -53,7 +53,7 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 MODULES = [f"precision_annot._src.{name}" for name in (
     "policy", "annotation", "resolution", "runtime", "auditing", "scaler", "suggest.pipeline",
-    "checking", "watching", "diffing")]
+    "checking", "watching", "diffing", "update.optimizer")]
 
 
 @pytest.mark.parametrize("name", MODULES)

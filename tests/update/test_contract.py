@@ -759,3 +759,19 @@ def test_distributed_checkpoint_state_dict_round_trips(case: Case) -> None:
     parallel(case, [(model, opt), (twin, twin_opt)], 3, start=3)
     same(truth(opt, model), truth(twin_opt, twin))
 
+
+
+@pytest.mark.slow  # torch.compile's start-up
+@pytest.mark.parametrize("case", cases(("masters", "AdamW"), layouts=("masters",),
+                                       classes=("AdamW",)))
+def test_a_compiled_step_steps_as_the_eager_one(case: Case) -> None:
+    """`torch.compile(optimizer.step)`, as torch's docs show: the planned step runs as it is
+    (its stand-ins change every step), bit for bit the eager one."""
+    a, b = build(case), build(case)
+    compiled = torch.compile(a[1].step)
+    for i in range(3):
+        for model, opt, run in ((*a, compiled), (*b, b[1].step)):
+            opt.zero_grad()
+            loss_of(model).backward()
+            run()
+    same(truth(a[1], a[0]), truth(b[1], b[0]))

@@ -238,37 +238,43 @@ def _wrapped(closure: Callable[[], Any], presented: list[_Presented]) -> Callabl
 
 
 def _class_step(optimizer: Any, items: list[Item], closure: Any) -> Any:
-    """The class's own step over `items`, presented as their rules say; the other parameters
-    of the groups (stepped by torchao's update) left out for it."""
-    step = own_step(type(optimizer)._precision_annot_base)
+    """The class's own step over `items`, presented as their rules say, a chunk at a time
+    where it may be; the other parameters of the groups (stepped by torchao's update) left out
+    for it."""
     groups = optimizer.param_groups
     saved = [list(g["params"]) for g in groups]
-    limit = _chunk_numel(optimizer, items, closure)
     loss = None
     try:
-        for chunk in _chunks(items, limit):
-            takes = [i for i in chunk if not i.rule.plain and (
-                i.param.grad is not None or (closure is not None and i.param.requires_grad))]
-            presented = [_present(optimizer, i) for i in takes]
-            stands = {id(pr.item.param): pr.stand for pr in presented}
-            for index, group in enumerate(groups):
-                group["params"][:] = [stands.get(id(i.param), i.param) for i in chunk
-                                      if i.group == index]
-            # a closure's `optimizer.zero_grad()` zeroes the groups, which hold the stand-ins
-            # now: it zeroes the model's own parameters too (PlanOptimizer.zero_grad)
-            optimizer._precision_annot_presented = [pr.item.param for pr in presented
-                                                    if pr.stand is not pr.item.param]
-            try:
-                out = step(optimizer, None if closure is None else _wrapped(closure, presented))
-            finally:
-                optimizer._precision_annot_presented = []
-                for pr in presented:
-                    _restore(optimizer, pr)
+        for chunk in _chunks(items, _chunk_numel(optimizer, items, closure)):
+            out = _chunk_step(optimizer, chunk, closure)
             loss = out if loss is None else loss
     finally:
         for group, params in zip(groups, saved, strict=True):
             group["params"][:] = params
     return loss
+
+
+def _chunk_step(optimizer: Any, chunk: list[Item], closure: Any) -> Any:
+    takes = [i for i in chunk if not i.rule.plain and (
+        i.param.grad is not None or (closure is not None and i.param.requires_grad))]
+    presented: list[_Presented] = []
+    step = own_step(type(optimizer)._precision_annot_base)
+    try:
+        for item in takes:  # each one restored below, whatever fails
+            presented.append(_present(optimizer, item))
+        stands = {id(pr.item.param): pr.stand for pr in presented}
+        for index, group in enumerate(optimizer.param_groups):
+            group["params"][:] = [stands.get(id(i.param), i.param) for i in chunk
+                                  if i.group == index]
+        # a closure's `optimizer.zero_grad()` zeroes the groups, which hold the stand-ins
+        # now: it zeroes the model's own parameters too (PlanOptimizer.zero_grad)
+        optimizer._precision_annot_presented = [pr.item.param for pr in presented
+                                                if pr.stand is not pr.item.param]
+        return step(optimizer, None if closure is None else _wrapped(closure, presented))
+    finally:
+        optimizer._precision_annot_presented = []
+        for pr in presented:
+            _restore(optimizer, pr)
 
 
 # -- torchao's Adam update over low-bit states ---------------------------------------------------
@@ -387,8 +393,11 @@ def _layout(items: Sequence[Item]) -> tuple[int, ...]:
     return (len(items), *(id(i.rule) for i in items))
 
 
+@torch.compiler.disable  # type: ignore[misc]
 def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
-    """One step of a planned optimizer (see the module docstring)."""
+    """One step of a planned optimizer (see the module docstring). Under `torch.compile`
+    (`torch.compile(optimizer.step)`) it runs as it is: its stand-ins are made each step, and
+    tracing them would recompile at every one."""
     items = items_of(optimizer)
     layout = _layout(items)
     if optimizer.__dict__.get("_precision_annot_layout") != layout:
@@ -400,15 +409,8 @@ def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     low = [i for i in items if i.rule.engine == "torchao"]
     loss = None
     if low:
-        why = refusal(optimizer, low)
-        if why is not None:
-            raise RuntimeError(f"{type(optimizer).__name__}.step(): {why}")
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            closure = None
-        with torch.no_grad():
-            _torchao_step(optimizer, low)
+        loss = _low_bit_step(optimizer, low, closure)
+        closure = None  # evaluated once, before either update
     rest = [i for i in items if i.rule.engine != "torchao"]
     kernel = KERNELS.get(adam_family(base) or "")
     if kernel is not None and closure is None and rest:
@@ -417,6 +419,19 @@ def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     if rest:
         out = _class_step(optimizer, rest, closure)
         loss = out if loss is None else loss
+    return loss
+
+
+def _low_bit_step(optimizer: Any, low: list[Item], closure: Callable[[], Any] | None) -> Any:
+    why = refusal(optimizer, low)
+    if why is not None:
+        raise RuntimeError(f"{type(optimizer).__name__}.step(): {why}")
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad():
+        _torchao_step(optimizer, low)
     return loss
 
 
