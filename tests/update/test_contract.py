@@ -769,7 +769,7 @@ def test_a_compiled_step_steps_as_the_eager_one(case: Case) -> None:
     (its stand-ins change every step), bit for bit the eager one."""
     a, b = build(case), build(case)
     compiled = torch.compile(a[1].step)
-    for i in range(3):
+    for _ in range(3):
         for model, opt, run in ((*a, compiled), (*b, b[1].step)):
             opt.zero_grad()
             loss_of(model).backward()

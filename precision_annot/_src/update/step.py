@@ -30,8 +30,8 @@ from precision_annot._src.update import formats
 from precision_annot._src.update.guard import planned
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, rule_for
 
-__all__ = ["CHUNK_BYTES", "KERNELS", "Item", "adam_family", "items_of", "own_step", "refusal",
-           "rule_of", "run_step", "settle", "widen_gradients", "write_back"]
+__all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "items_of", "own_step",
+           "refusal", "rule_of", "run_step", "settle", "widen_gradients", "write_back"]
 
 #: the most bytes of copies made for one chunk of a step (upcast gradients, working copies,
 #: upcast states), and never more than an eighth of the parameters, unless one is larger
@@ -359,10 +359,66 @@ def _torchao_step(optimizer: Any, items: list[Item]) -> None:
             optimizer.state[p] = {"master": target, **state}
 
 
-#: one-pass step kernels by class family ("Adam", "AdamW"): `kernel(optimizer, items)` makes
-#: the whole update of the items it takes (master, moments and stored weight) and returns those
-#: it leaves to the class's own step. With none registered, the class's own step does it all.
-KERNELS: dict[str, Callable[[Any, list[Item]], list[Item]]] = {}
+#: a one-pass Adam/AdamW update over lists, one group at a time:
+#: `kernel(group, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, adamw)`
+#: updates each master (or the parameter itself, where its master is None) from its gradient as
+#: stored, its moments and its step counter in place, with the group's hyperparameters
+#: (`adamw`: decoupled weight decay), and writes each master back into its parameter rounded to
+#: nearest. Registered by family ("Adam", "AdamW"); with none registered, the class's own step
+#: does the update.
+AdamKernel = Callable[..., None]
+KERNELS: dict[str, AdamKernel] = {}
+
+
+def _kernel_step(optimizer: Any, items: list[Item], kernel: AdamKernel) -> list[Item]:
+    """The items a registered kernel takes (a gradient, no stochastic rounding, the state in
+    the dtype it updates) handed to it as lists, per group; the others are returned."""
+    taken = [i for i in items if i.param.grad is not None and i.rule.engine in (
+        "master", "direct") and i.rule.state == i.rule.updated]
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    for index, group in enumerate(optimizer.param_groups):
+        mine = [i for i in taken if i.group == index]
+        if mine:
+            _kernel_group(optimizer, group, mine, kernel, adamw)
+    chosen = {id(i) for i in taken}
+    return [i for i in items if id(i) not in chosen]
+
+
+def _kernel_group(optimizer: Any, group: dict[str, Any], items: list[Item],
+                  kernel: AdamKernel, adamw: bool) -> None:
+    lists: dict[str, list[Any]] = {k: [] for k in (
+        "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")}
+    for item in items:
+        _gather(optimizer, item, group, lists)
+    kernel(group, lists["params"], lists["grads"], lists["masters"], lists["exp_avgs"],
+           lists["exp_avg_sqs"], lists["max_exp_avg_sqs"] or None, lists["steps"],
+           adamw or bool(group.get("decoupled_weight_decay")))
+
+
+def _gather(optimizer: Any, item: Item, group: dict[str, Any], lists: dict[str, list[Any]]
+            ) -> None:
+    """One item's tensors for a kernel, its state made as torch's Adam makes it."""
+    p = item.param
+    state = optimizer.state[p]
+    master = _master(item, state)[0] if item.rule.master is not None else None
+    target = master if master is not None else p
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(target,
+                                                       memory_format=torch.preserve_format)
+    if master is not None:
+        optimizer.state[p] = {"master": master, **state}
+    lists["params"].append(p)
+    lists["grads"].append(p.grad)
+    lists["masters"].append(master)
+    lists["exp_avgs"].append(state["exp_avg"])
+    lists["exp_avg_sqs"].append(state["exp_avg_sq"])
+    if group["amsgrad"]:
+        lists["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
+    lists["steps"].append(state["step"])
 
 
 def settle(optimizer: Any, items: Sequence[Item]) -> None:
@@ -415,7 +471,7 @@ def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     kernel = KERNELS.get(adam_family(base) or "")
     if kernel is not None and closure is None and rest:
         with torch.no_grad():
-            rest = kernel(optimizer, rest)
+            rest = _kernel_step(optimizer, rest, kernel)
     if rest:
         out = _class_step(optimizer, rest, closure)
         loss = out if loss is None else loss
