@@ -449,7 +449,7 @@ def _layout(items: Sequence[Item]) -> tuple[int, ...]:
     return (len(items), *(id(i.rule) for i in items))
 
 
-@torch.compiler.disable  # type: ignore[misc]
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     """One step of a planned optimizer (see the module docstring). Under `torch.compile`
     (`torch.compile(optimizer.step)`) it runs as it is: its stand-ins are made each step, and
