@@ -36,7 +36,7 @@ __all__ = ["PlanOptimizer", "optimizer", "planned_class", "state_bytes"]
 
 #: attributes a copy or a pickle leaves out: hooks (as torch does), and what a step rebuilds
 _TRANSIENT = ("_optimizer_", "_precision_annot_layout", "_precision_annot_presented",
-              "_precision_annot_loading")
+              "_precision_annot_loading", "_precision_annot_items")
 
 
 class PlanOptimizer(Optimizer):

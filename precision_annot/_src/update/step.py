@@ -27,7 +27,7 @@ from torch.optim import Optimizer
 from precision_annot._src.dtypes import wider
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.update import formats
-from precision_annot._src.update.guard import planned
+from precision_annot._src.update.guard import generation, planned
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, rule_for
 
 __all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "items_of", "own_step",
@@ -74,11 +74,21 @@ def rule_of(optimizer: Any, param: torch.Tensor) -> tuple[UpdateRule, str]:
 
 
 def items_of(optimizer: Any) -> list[Item]:
+    """Each parameter of the groups with its rule now (kept while the groups, the parameters'
+    dtypes and what `apply` says stay as they are)."""
+    groups = optimizer.param_groups
+    key = (generation(), *(len(g["params"]) for g in groups),
+           *((id(p), p.dtype) for g in groups for p in g["params"]))
+    cached = optimizer.__dict__.get("_precision_annot_items")
+    if cached is not None and cached[0] == key:
+        return cached[1]  # type: ignore[no-any-return]
     out = []
-    for index, group in enumerate(optimizer.param_groups):
+    for index, group in enumerate(groups):
         for p in group["params"]:
             rule, name = rule_of(optimizer, p)
             out.append(Item(index, p, rule, name))
+    optimizer._precision_annot_items = (key, out)
+    optimizer.__dict__.pop("_precision_annot_layout", None)  # settle what may have changed
     return out
 
 
@@ -445,20 +455,15 @@ def settle(optimizer: Any, items: Sequence[Item]) -> None:
                 state[key] = formats.to_format(value, rule.state, p)  # type: ignore[arg-type]
 
 
-def _layout(items: Sequence[Item]) -> tuple[int, ...]:
-    return (len(items), *(id(i.rule) for i in items))
-
-
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     """One step of a planned optimizer (see the module docstring). Under `torch.compile`
     (`torch.compile(optimizer.step)`) it runs as it is: its stand-ins are made each step, and
     tracing them would recompile at every one."""
     items = items_of(optimizer)
-    layout = _layout(items)
-    if optimizer.__dict__.get("_precision_annot_layout") != layout:
+    if not optimizer.__dict__.get("_precision_annot_layout"):
         settle(optimizer, items)
-        optimizer._precision_annot_layout = layout
+        optimizer._precision_annot_layout = True
     base = type(optimizer)._precision_annot_base
     if all(i.rule.plain for i in items):
         return own_step(base)(optimizer, closure)  # nothing planned: the class's own step
