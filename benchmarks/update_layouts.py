@@ -28,12 +28,13 @@ from precision_annot._src.update.guard import planned
 from precision_annot._src.update.rule import rule_for
 
 #: label -> (plan string for every module but the norms; the plain torch AdamW instead of
-#: precision_annot.optimizer)
-LAYOUTS: dict[str, tuple[str, bool]] = {
+#: precision_annot.optimizer; AdamW's fused kernel)
+LAYOUTS: dict[str, tuple[str, bool] | tuple[str, bool, bool]] = {
     "fp32 weights, torch's AdamW": ("fp32", True),
     "bf16-mixed (fp32 weights, bf16 compute), torch's AdamW": ("bf16-mixed", True),
     "bf16 weights, no master, torch's AdamW": ("bf16-true", True),
     "bf16 weights, fp32 masters": ("bf16-true,master=fp32", False),
+    "the same, `fused=True`": ("bf16-true,master=fp32", False, True),
     "the same, fp32 gradients (`bf16-master`)": ("bf16-master", False),
     "bf16 weights, fp32 masters, bf16 state": ("bf16-true,master=fp32,optim=bf16", False),
     "bf16 weights, fp32 masters, 8-bit state": ("bf16-true,master=fp32,optim=8bit", False),
@@ -53,12 +54,13 @@ def accumulate_as_planned(model: nn.Module) -> nn.Module:
     return model
 
 
-def build(spec: str, plain: bool, net: nn.Module, lr: float) -> torch.optim.Optimizer:
+def build(spec: str, plain: bool, net: nn.Module, lr: float, fused: bool = False
+          ) -> torch.optim.Optimizer:
     pa.annotate(net, {"*": spec, Norm: "fp32"}, strict=False)
     accumulate_as_planned(pa.apply(net))
     if plain:
-        return torch.optim.AdamW(net.parameters(), lr=lr)
-    opt: torch.optim.Optimizer = pa.optimizer(net, torch.optim.AdamW, lr=lr)
+        return torch.optim.AdamW(net.parameters(), lr=lr, fused=fused or None)
+    opt: torch.optim.Optimizer = pa.optimizer(net, torch.optim.AdamW, lr=lr, fused=fused or None)
     return opt
 
 
@@ -88,10 +90,10 @@ def noisy_tokens(steps: int, batch: int = 16, vocab: int = 256, length: int = 32
     return list(tokens.split(batch))
 
 
-def final_loss(spec: str, plain: bool, steps: int) -> float:
+def final_loss(spec: str, plain: bool, steps: int, fused: bool = False) -> float:
     torch.manual_seed(0)
     net = TinyTransformer(vocab=256, d=64, layers=2, heads=4, gain=1.0)
-    opt = build(spec, plain, net, 1e-4)
+    opt = build(spec, plain, net, 1e-4, fused)
     losses = []
     for tokens in noisy_tokens(steps):
         loss = nn.functional.cross_entropy(net(tokens[:, :-1]).float().reshape(-1, 256),
@@ -103,17 +105,18 @@ def final_loss(spec: str, plain: bool, steps: int) -> float:
     return sum(losses[-20:]) / 20
 
 
-def stepper(spec: str | None, plain: bool) -> Any:
+def stepper(spec: str | None, plain: bool, fused: bool = False) -> Any:
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(1024, 512, bias=False) for _ in range(8)])  # 4.2M
     if spec is None:
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
     else:
-        opt = build(spec, plain, net, 1e-4)
+        opt = build(spec, plain, net, 1e-4, fused)
     for p in net.parameters():
         dtype = p.grad_dtype if p.grad_dtype is not None else p.dtype
         p.grad = (torch.randn(p.shape) * 1e-3).to(dtype)
-    opt.step()  # states made, first-step costs paid
+    for _ in range(3):  # states made, first-step costs (allocations, page faults) paid
+        opt.step()
     return opt.step
 
 
@@ -125,9 +128,15 @@ def timed(fn: Any) -> float:
 
 def step_ratios(reps: int) -> dict[str, float]:
     base = stepper(None, True)
+    warm = stepper("fp32", True)  # the first layout measured after the base read 2x slow
+    for _ in range(5):            # here, whichever it was: a throwaway one goes first
+        timed(base)
+        timed(warm)
     out = {}
-    for label, (spec, plain) in LAYOUTS.items():
-        step = stepper(spec, plain)
+    for label, (spec, plain, *fused) in LAYOUTS.items():
+        step = stepper(spec, plain, *fused)
+        timed(base)
+        timed(step)
         ratios = []
         for _ in range(reps):
             a = timed(base)
@@ -140,19 +149,26 @@ def step_ratios(reps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer runs, 60 training steps")
+    parser.add_argument("--only", help="only the layouts whose label holds one of these texts "
+                        "(separated by |)")
+    parser.add_argument("--reps", type=int, help="timed pairs per layout")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.only:
+        for label in [k for k in LAYOUTS if not any(o in k for o in args.only.split("|"))]:
+            del LAYOUTS[label]
     reps, steps = (3, 60) if args.quick else (7, 300)
+    reps = args.reps or reps
     ratios = step_ratios(reps)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread")
     sizes = [sum(p.numel() for p in gpt(w).parameters()) / 1e6 for w in (64, 512)]
     print(f"| layout | bytes / parameter (GPT, {sizes[0]:.1f}M) | (GPT, {sizes[1]:.0f}M) | "
           "step time vs torch's fused fp32 AdamW | final loss |")
     print("|---|---|---|---|---|")
-    for label, (spec, plain) in LAYOUTS.items():
+    for label, (spec, plain, *fused) in LAYOUTS.items():
         small = bytes_per_parameter(spec, 64)
         large = bytes_per_parameter(spec, 512)
-        loss = final_loss(spec, plain, steps)
+        loss = final_loss(spec, plain, steps, *fused)
         print(f"| {label} | `{spec}` {small:.2f} | {large:.2f} | {ratios[label]:.2f}x | "
               f"{loss:.4f} |", flush=True)
 

@@ -47,8 +47,9 @@ class PlanOptimizer(Optimizer):
     stochastic rounding, a state kept in another dtype or in torchao's low-bit formats.
 
     `state[p]` holds what the class keeps for parameter `p` (its moments, in the planned
-    format) and, under a plan with `master=fp32`, `state[p]["master"]`; `state_dict()` is
-    torch's format (`state` and `param_groups`), low-bit states written as plain tensors.
+    format) and, under a plan with `master=fp32`, its master under the key "master";
+    `state_dict()` is torch's format (`state` and `param_groups`), low-bit states written as
+    plain tensors.
     """
 
     # marks the optimizers that make a plan's update half real, for the step guard of apply
@@ -312,7 +313,7 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     the plan applied to the model now updates it (so it may be built before `apply`):
 
     - `master=fp32` over bf16 or fp16 storage: the class steps an fp32 master copy of the
-      parameter (`opt.state[p]["master"]`), from its gradient upcast a chunk of parameters
+      parameter (kept in its state as "master"), from its gradient upcast a chunk of parameters
       at a time, and the master is written back rounded into storage.
     - `master="stochastic"` over bf16 storage: the class steps an fp32 copy made for the step,
       written back with stochastic rounding (torchao's); any class.
@@ -352,7 +353,7 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
         True
         >>> model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
         >>> opt.step()
-        >>> opt.state[model.weight]["master"].dtype
+        >>> opt.master(model.weight).dtype
         torch.float32
     """
     from precision_annot._src.runtime import subject  # deferred: runtime imports the guard
