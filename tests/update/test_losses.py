@@ -123,6 +123,29 @@ def test_fp16_gradients_are_unscaled_into_fp32_as_apex_o2_does() -> None:
     assert all(p.grad.dtype == fp16 for p in model.parameters())  # the next backward: as before
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["single-tensor", "fused"])
+def test_a_grad_scaler_skips_an_overflowing_step_and_unscales_into_the_masters(fused: bool
+                                                                                ) -> None:
+    """fp16 weights, fp32 masters, precision_annot.GradScaler: an inf step leaves the masters
+    as they were; with `fused=True` torch's GradScaler hands the scale to AdamW's fused kernel,
+    which unscales the fp32 gradients itself (no separate unscale)."""
+    model = pa.apply(mlp(), default="16-true,master=fp32")
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3, fused=fused)
+    scaler = pa.GradScaler(init_scale=2.0 ** 10)
+    for step in range(4):
+        x, y = batch(step)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x.half()).float(), y)
+        scaler.scale(loss * (float("inf") if step == 2 else 1.0)).backward()
+        before = [m.clone() for m in masters_of(opt, model) if m is not None]
+        scaler.step(opt)
+        scaler.update()
+        after = [m for m in masters_of(opt, model) if m is not None]
+        moved = any(not torch.equal(a, b) for a, b in zip(before, after, strict=False))
+        assert (step == 2) == (bool(before) and not moved), step
+    assert scaler.get_scale() == 2.0 ** 9  # halved once, at the overflow
+
+
 # -- a weight shared by two update plans ----------------------------------------------------
 
 class Tied(nn.Module):

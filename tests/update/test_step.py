@@ -19,8 +19,10 @@ def functional_adam(group: dict[str, Any], params: list[torch.Tensor],
                     grads: list[torch.Tensor], masters: list[torch.Tensor | None],
                     exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
                     max_exp_avg_sqs: list[torch.Tensor] | None, steps: list[torch.Tensor],
-                    adamw: bool) -> None:
+                    adamw: bool, grad_scale: torch.Tensor | None,
+                    found_inf: torch.Tensor | None) -> None:
     """A kernel as the seam takes it, made of torch's functional Adam over the masters."""
+    assert grad_scale is None and found_inf is None  # no GradScaler here
     targets = [m if m is not None else p for p, m in zip(params, masters, strict=True)]
     upcast = [g.to(t.dtype) for g, t in zip(grads, targets, strict=True)]
     adam(targets, upcast, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or [], steps,

@@ -369,13 +369,13 @@ def _torchao_step(optimizer: Any, items: list[Item]) -> None:
             optimizer.state[p] = {"master": target, **state}
 
 
-#: a one-pass Adam/AdamW update over lists, one group at a time:
-#: `kernel(group, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, adamw)`
+#: a one-pass Adam/AdamW update over lists, one group at a time: `kernel(group, params, grads,
+#: masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, adamw, grad_scale, found_inf)`
 #: updates each master (or the parameter itself, where its master is None) from its gradient as
 #: stored, its moments and its step counter in place, with the group's hyperparameters
-#: (`adamw`: decoupled weight decay), and writes each master back into its parameter rounded to
-#: nearest. Registered by family ("Adam", "AdamW"); with none registered, the class's own step
-#: does the update.
+#: (`adamw`: decoupled weight decay; `grad_scale`, `found_inf`: what a GradScaler hands a fused
+#: optimizer, else None), and writes each master back into its parameter rounded to nearest.
+#: Registered by family ("Adam", "AdamW"); with none registered, the class's own step does it.
 AdamKernel = Callable[..., None]
 KERNELS: dict[str, AdamKernel] = {}
 
@@ -402,7 +402,8 @@ def _kernel_group(optimizer: Any, group: dict[str, Any], items: list[Item],
         _gather(optimizer, item, group, lists)
     kernel(group, lists["params"], lists["grads"], lists["masters"], lists["exp_avgs"],
            lists["exp_avg_sqs"], lists["max_exp_avg_sqs"] or None, lists["steps"],
-           adamw or bool(group.get("decoupled_weight_decay")))
+           adamw or bool(group.get("decoupled_weight_decay")),
+           getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None))
 
 
 def _gather(optimizer: Any, item: Item, group: dict[str, Any], lists: dict[str, list[Any]]
