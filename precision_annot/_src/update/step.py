@@ -456,7 +456,16 @@ def settle(optimizer: Any, items: Sequence[Item]) -> None:
                 state[key] = formats.to_format(value, rule.state, p)  # type: ignore[arg-type]
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` run as it is under `torch.compile`.
+
+    NOTE: `torch.compiler.disable` applied at import imports Dynamo (and FSDP with it) into
+    every `import precision_annot`; torch's `_disable_dynamo` defers that to the first call."""
+    disable: Any = torch._disable_dynamo  # type: ignore[attr-defined]
+    return disable(fn)  # type: ignore[no-any-return]
+
+
+@_eager
 def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     """One step of a planned optimizer (see the module docstring). Under `torch.compile`
     (`torch.compile(optimizer.step)`) it runs as it is: its stand-ins are made each step, and
