@@ -8,7 +8,8 @@
 - loss: the demo's GPT (vocabulary 256, width 64, 2 blocks, fp32 norms), 300 AdamW steps at lr
   1e-4 on sequences with an irreducible loss of ln 4: the mean loss of the last 20 steps.
 
-Run: `python benchmarks/update_layouts.py [--quick]` (prints a markdown table).
+Run: `python benchmarks/update_layouts.py [--quick] [--reps N] [--only "text|text"]` (prints a
+markdown table).
 """
 
 from __future__ import annotations
