@@ -25,6 +25,7 @@ from precision_annot import (
     optimizer,
     remove,
     resolve,
+    watch,
 )
 from precision_annot._src.plan import parent_name
 from precision_annot._src.runtime import installed_boundaries
@@ -649,3 +650,39 @@ def test_watch_callback_puts_the_numbers_in_the_trainers_tensorboard_logs(tmp_pa
     assert [step for step, _ in logged] == [1, 3, 5]
     for (_, value), rec in zip(logged, w.history, strict=True):
         assert value == pytest.approx(rec.outputs["model.layers.0.mlp"].amax, rel=1e-6)
+
+
+@pytest.mark.slow  # 4 s; tests/test_watching.py shows the same on a plain loop in make test
+def test_watch_callback_samples_the_training_steps_of_a_trainer_that_evaluates_every_step(
+        tmp_path: Path) -> None:
+    """The Trainer evaluates (a no_grad forward) after every step, between the watched ones:
+    0.4 recorded the evaluation and its sampled steps held 0 of 19 gradient rows. Each record
+    now holds the training step's: a gradient row for every module whose output got one in a
+    step watched by hand."""
+    model, _ = annotated("llama")
+    apply(model, default="bf16")
+    rows = Tokens()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+        per_device_eval_batch_size=2, use_cpu=True, report_to=[], eval_strategy="steps",
+        eval_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                   eval_dataset=[rows[i] for i in range(2)])
+    callback = hf.watch_callback(trainer, every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert len([log for log in trainer.state.log_history if "eval_loss" in log]) == 3
+    records = callback.watch.history
+    assert [r.step for r in records] == [0, 1, 2]
+    # the same step by hand, watched: which modules' outputs get gradients
+    alone, _ = annotated("llama")
+    apply(alone, default="bf16")
+    ids = torch.stack([rows[i]["input_ids"] for i in (0, 1)])
+    with watch(alone, every=1, warn=False) as w:
+        alone(input_ids=ids, labels=ids).loss.backward()
+        mine = w.step()
+    assert mine is not None and len(mine.grads) >= 19
+    for record in records:
+        assert set(record.grads) == set(mine.grads)
+        assert set(record.outputs) == set(mine.outputs)
