@@ -651,3 +651,51 @@ def test_diff_takes_a_one_parameter_loss_fn_as_suggest_does() -> None:
         pa.diff(model, x, loss_fn=lambda out: "loss")
     with pytest.raises(TypeError, match=r"diff\(loss_fn=...\) is a function"):
         pa.diff(model, x, loss_fn=3)  # type: ignore[arg-type]
+
+
+def test_watch_records_the_model_it_watches_not_a_copy_made_during_a_sampled_step() -> None:
+    """An EMA or evaluation copy made with deepcopy keeps the watched model's hooks; it runs
+    without being recorded."""
+    import copy
+
+    torch.manual_seed(0)
+    model = pa.apply(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)),
+                     default="bf16-true")
+    x = torch.randn(8, 16).bfloat16()
+    with pa.watch(model, every=1, warn=False) as w:
+        twin = copy.deepcopy(model)
+        twin(x * 100).float().sum().backward()
+        model(x).float().sum().backward()
+        record = w.step()
+    assert record is not None
+    assert record.outputs["0"].amax == float(model[0](x).detach().abs().max())
+    assert all(s.tensors == 1 for s in record.outputs.values())
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.utils.checkpoint
+
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def test_watch_gives_the_modules_inside_reentrant_checkpointing_their_gradient_rows() -> None:
+    """0.4 left the 3 modules inside without gradient rows (they ran under no_grad, then
+    again in backward), and measured the rerun as a second call."""
+    torch.manual_seed(0)
+    model = pa.apply(Checkpointed(), default="bf16-true")
+    x = torch.randn(8, 16).bfloat16().requires_grad_()
+    with pa.watch(model, every=1, warn=False) as w:
+        model(x).float().sum().backward()
+        record = w.step()
+    assert record is not None
+    assert set(record.grads) == set(record.outputs) == {
+        "block.0", "block.1", "block.2", "block", "head", ""}
+    assert all(s.tensors == 1 for s in record.outputs.values())

@@ -134,11 +134,14 @@ class Recorder:
         self._ungraded: dict[str, deque[dict[int, list[Returned]]]] = {}
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
+        # a deep copy of a module keeps its hooks (the same functions): they record the
+        # modules they were put on, never a copy
+        self._ids = {id(m) for m in named.values()}
         pre = _marked(self._pre)
         for name, module in named.items():
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(
-                _marked(self._post_hook(name)), with_kwargs=True, always_call=True))
+                _marked(self._post_hook(name, id(module))), with_kwargs=True, always_call=True))
 
     def __enter__(self) -> Recorder:
         return self
@@ -164,6 +167,8 @@ class Recorder:
         if torch.compiler.is_compiling():
             self.compiled = True
             return
+        if id(module) not in self._ids:
+            return
         stack = self._stack()
         recorded = stack[-1].recorded if stack else (
             not self.training_only or torch.is_grad_enabled())
@@ -174,11 +179,13 @@ class Recorder:
             inputs = {id(t): t._version for t in leaves}
         stack.append(_Call(recorded, inputs))
 
-    def _post_hook(self, name: str) -> Callable[..., None]:
+    def _post_hook(self, name: str, module_id: int) -> Callable[..., None]:
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
             if torch.compiler.is_compiling():
                 self.compiled = True
+                return
+            if id(module) != module_id:
                 return
             stack = self._stack()
             if not stack:
