@@ -181,3 +181,4 @@ def test_diff_compares_the_finite_entries_of_a_masked_output() -> None:
     got = Masked()(lin.bfloat16()).float()
     assert report["1"].output_error == relative_error(got, want) > 0.5
     assert math.isfinite(report["1"].output_error)
+

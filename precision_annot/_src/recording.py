@@ -245,7 +245,9 @@ class Recorder:
         on_grad = self.on_grad
         assert on_grad is not None
 
-        def grad(g: torch.Tensor) -> None:
+        def grad(g: torch.Tensor | None) -> None:
+            if g is None:  # no gradient reached it (reentrant checkpointing passes None)
+                return
             for owner in owners:
                 on_grad(owner, g)
 

@@ -686,3 +686,39 @@ def test_watch_callback_samples_the_training_steps_of_a_trainer_that_evaluates_e
     for record in records:
         assert set(record.grads) == set(mine.grads)
         assert set(record.outputs) == set(mine.outputs)
+
+
+@pytest.mark.parametrize("reentrant", [
+    pytest.param(True, marks=pytest.mark.slow),  # 5 s; tests/test_watching.py has it fast
+    False])
+def test_watch_under_gradient_checkpointing_has_the_rows_of_a_plain_step(reentrant: bool) -> None:
+    """Transformers' gradient checkpointing runs each layer again in backward (reentrant: its
+    first run under no_grad). The rerun is not a second call, and the modules inside get their
+    gradient rows; a layer output no gradient reaches (T5's position bias) gets none, where
+    watch raised on it."""
+    kind = "t5" if reentrant else "llama"  # (T5 with its fp32 islands fails torch's own
+    # non-reentrant recompute check under a low-precision plan, watched or not)
+    rows = {}
+    for checkpointed in (False, True):
+        model, low = annotated(kind)
+        model.train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        apply(model, default=low)
+        batch = inputs(kind)
+        labels = batch.get("decoder_input_ids", batch["input_ids"]).contiguous()
+        with watch(model, every=1, warn=False) as w, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(**batch, labels=labels).loss.backward()
+            record = w.step()
+        assert record is not None
+        rows[checkpointed] = record
+    plain, checkpointed_record = rows[False], rows[True]
+    assert set(checkpointed_record.grads) == set(plain.grads)
+    assert set(checkpointed_record.outputs) == set(plain.outputs)
+    same = [n for n, s in plain.outputs.items() if checkpointed_record.outputs[n].tensors == 1
+            and s.tensors == 1]
+    assert len(same) > len(plain.outputs) / 2
+    for name in same:  # the same values, measured once
+        assert checkpointed_record.outputs[name].amax == plain.outputs[name].amax, name
