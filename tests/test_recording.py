@@ -182,3 +182,25 @@ def test_diff_compares_the_finite_entries_of_a_masked_output() -> None:
     assert report["1"].output_error == relative_error(got, want) > 0.5
     assert math.isfinite(report["1"].output_error)
 
+
+
+def test_a_data_parallel_replica_is_recorded_as_its_module_and_a_deep_copy_is_not() -> None:
+    """DataParallel (CUDA only) runs replicas made by `_replicate_for_data_parallel`, which
+    share the module's hook dicts; a deep copy has its own. Called here on the CPU, directly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+
+    def run() -> None:
+        copy.deepcopy(model)(x * 100)
+        replica = model._replicate_for_data_parallel()
+        for key, child in model._modules.items():
+            assert child is not None
+            copied = child._replicate_for_data_parallel()
+            copied.__dict__["_parameters"] = dict(child._parameters)  # as replicate() sets them
+            replica._modules[key] = copied
+        replica(x)
+
+    outs, _ = record(model, run)
+    assert [r.key for r, _ in outs] == [("0", 0, 0), ("1", 0, 0), ("", 0, 0)]
+    torch.testing.assert_close(outs[0][1], model[0](x))

@@ -134,14 +134,16 @@ class Recorder:
         self._ungraded: dict[str, deque[dict[int, list[Returned]]]] = {}
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
-        # a deep copy of a module keeps its hooks (the same functions): they record the
-        # modules they were put on, never a copy
-        self._ids = {id(m) for m in named.values()}
+        # a deep copy of a module keeps its hooks (the same functions, in dicts of its own):
+        # they record the modules they were put on, never a copy; a DataParallel replica
+        # shares the module's hook dicts (torch copies its __dict__), and is recorded as it
+        self._dicts = {id(m._forward_pre_hooks) for m in named.values()}
         pre = _marked(self._pre)
         for name, module in named.items():
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(
-                _marked(self._post_hook(name, id(module))), with_kwargs=True, always_call=True))
+                _marked(self._post_hook(name, module._forward_hooks)), with_kwargs=True,
+                always_call=True))
 
     def __enter__(self) -> Recorder:
         return self
@@ -167,7 +169,7 @@ class Recorder:
         if torch.compiler.is_compiling():
             self.compiled = True
             return
-        if id(module) not in self._ids:
+        if id(module._forward_pre_hooks) not in self._dicts:
             return
         stack = self._stack()
         recorded = stack[-1].recorded if stack else (
@@ -179,13 +181,13 @@ class Recorder:
             inputs = {id(t): t._version for t in leaves}
         stack.append(_Call(recorded, inputs))
 
-    def _post_hook(self, name: str, module_id: int) -> Callable[..., None]:
+    def _post_hook(self, name: str, hooks: dict[int, Any]) -> Callable[..., None]:
         def post(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  output: Any) -> None:
             if torch.compiler.is_compiling():
                 self.compiled = True
                 return
-            if id(module) != module_id:
+            if module._forward_hooks is not hooks:
                 return
             stack = self._stack()
             if not stack:
