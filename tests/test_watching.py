@@ -699,3 +699,27 @@ def test_watch_gives_the_modules_inside_reentrant_checkpointing_their_gradient_r
     assert set(record.grads) == set(record.outputs) == {
         "block.0", "block.1", "block.2", "block", "head", ""}
     assert all(s.tensors == 1 for s in record.outputs.values())
+
+
+class Noisy(nn.Module):
+    """Draws noise in the dtype it computes in (a double draws other numbers than a float
+    from the same generator state, as CUDA's dropout draws another mask for bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + torch.rand_like(h)
+
+
+def test_diff_hands_the_second_run_the_first_runs_draws_whatever_dtype_they_are_drawn_in(
+        ) -> None:
+    torch.manual_seed(0)
+    drawn = torch.rand(16, dtype=torch.float64)
+    torch.manual_seed(0)
+    assert not torch.allclose(drawn.float(), torch.rand(16))  # not the same numbers
+    model = pa.annotate(nn.Sequential(Noisy(), nn.Linear(16, 4)), {"*": "64-true"})
+    report = pa.diff(model, torch.randn(8, 16))
+    assert report.first is None and report["0"].output_error < 1e-6, str(report)

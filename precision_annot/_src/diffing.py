@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from precision_annot._src.casting import cast_tree
 from precision_annot._src.dtypes import bf16, dtype_name, fp16, fp32
@@ -180,14 +181,60 @@ def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tens
     return run
 
 
+class _SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The random ops of the second run hand back what the first run's drew, in order (cast to
+    the second run's dtypes). Both runs start from the same generator state, but a kernel may
+    draw differently by dtype: CUDA's fused dropout gives a bf16 tensor another mask than an
+    fp32 one from the same state (seen on an H100, torch 2.11: an error of 0.99 at the
+    dropout). A run whose random ops stop matching the first's draws afresh from there."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.draws: list[tuple[Any, list[torch.Tensor]]] = []
+        self.replay: Iterator[tuple[Any, list[torch.Tensor]]] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return out
+        drawn = _drawn(func, out)
+        if self.replay is None:
+            self.draws.append((func, [t.detach().clone() for t in drawn]))
+            return out
+        recorded = next(self.replay, None)
+        if recorded is None or recorded[0] is not func or [t.shape for t in drawn] != [
+                t.shape for t in recorded[1]]:
+            self.replay = iter(())  # the runs no longer match: draw afresh from here
+            return out
+        for mine, theirs in zip(drawn, recorded[1], strict=True):
+            mine.copy_(theirs)
+        if func is torch.ops.aten.native_dropout.default:  # the output from the mask
+            p = args[1] if len(args) > 1 else kwargs["p"]
+            out[0].copy_(torch.ops.aten.native_dropout_backward(
+                args[0], out[1], 1.0 / (1.0 - p) if p < 1 else 0.0))
+        return out
+
+
+def _drawn(func: Any, out: Any) -> list[torch.Tensor]:
+    """The tensors a random op drew: dropout's mask, else every tensor it returned."""
+    if func is torch.ops.aten.native_dropout.default:
+        return [out[1]]
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(t, torch.Tensor)]
+
+
 @contextlib.contextmanager
 def _same_randomness() -> Iterator[Callable[[], None]]:
     """Runs that draw the same random numbers (dropout's masks): `rewind()` puts the global
-    generators (CPU, and CUDA where it is in use) back where the first run started; on exit
-    they are where the caller left them."""
+    generators (CPU, and CUDA where it is in use) back where the first run started, and the
+    second run's random ops are handed the first run's draws; on exit the generators are where
+    the caller left them."""
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     devices = list(range(torch.cuda.device_count())) if initialized else []
-    with torch.random.fork_rng(devices=devices):
+    draws = _SameDraws()
+    with torch.random.fork_rng(devices=devices), draws:
         cpu = torch.get_rng_state()
         cuda = [torch.cuda.get_rng_state(d) for d in devices]
 
@@ -195,6 +242,7 @@ def _same_randomness() -> Iterator[Callable[[], None]]:
             torch.set_rng_state(cpu)
             for device, state in zip(devices, cuda, strict=True):
                 torch.cuda.set_rng_state(state, device)
+            draws.replay = iter(draws.draws)
 
         yield rewind
 
@@ -263,8 +311,9 @@ def diff(model: nn.Module, sample: Any, *,
 
     `model` is copied twice (it is not changed): one copy runs the plan (the one applied to
     it, else its annotations resolved), the other runs every parameter and buffer in fp32 with
-    no plan, both from the same values and the same random numbers (dropout draws the same
-    masks in both; the caller's generators are left where they were). Every floating tensor
+    no plan, both from the same values and the same random numbers (the fp32 run is handed
+    what each random op of the first drew, so dropout's masks are the same in both whatever
+    dtype they are drawn in; the caller's generators are left where they were). Every floating tensor
     every call of a module returns, and its gradient, is compared between the two.
 
     Args:
