@@ -313,8 +313,9 @@ def diff(model: nn.Module, sample: Any, *,
     it, else its annotations resolved), the other runs every parameter and buffer in fp32 with
     no plan, both from the same values and the same random numbers (the fp32 run is handed
     what each random op of the first drew, so dropout's masks are the same in both whatever
-    dtype they are drawn in; the caller's generators are left where they were). Every floating tensor
-    every call of a module returns, and its gradient, is compared between the two.
+    dtype they are drawn in; the caller's generators are left where they were). Every
+    floating tensor every call of a module returns, and its gradient, is compared between the
+    two.
 
     Args:
         model: the model (seen through wrappers).
