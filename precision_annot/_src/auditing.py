@@ -41,6 +41,8 @@ __all__ = ["AuditReport", "Divergence", "ModuleRecord", "UpdateRecord", "audit"]
 Phase: TypeAlias = Literal["forward", "backward", "state"]
 
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+#: views compute nothing (DTensor's `to_local`, in a tensor-parallel output hook, is one)
+_VIEWS = frozenset({"view", "view_as"})
 
 #: the collectives (`torch.ops._c10d_functional`, what DTensor issues) that sum across ranks
 _REDUCING = frozenset({"all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
@@ -239,15 +241,18 @@ def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Diver
 
 
 def _comm(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
-    """Its tensor-parallel reductions in the planned comm dtype (comm=fp8 all-gathers fp8
-    weights: no reduction dtype)."""
+    """A tensor-parallel module's (one holding DTensor parameters) reductions in its planned
+    comm dtype (comm=fp8 all-gathers fp8 weights: no reduction dtype). A reduction that a hook
+    runs before the module's forward (torch's ColwiseParallel reduces its input's gradient
+    where its input became a DTensor) is its caller's."""
     comm = policy.comm
-    if comm is None or comm == FP8:
+    if comm is None or comm == FP8 or not record.placements:
         return
-    for phase in ("forward", "backward"):
+    phases: tuple[Phase, ...] = ("forward", "backward")
+    for phase in phases:
         other = {d for d in record.reduced_in(phase) if d != comm}
         if other:
-            yield Divergence(name, "comm", dtype_name(comm), _dtypes(other), phase)  # type: ignore[arg-type]
+            yield Divergence(name, "comm", dtype_name(comm), _dtypes(other), phase)
 
 
 def _output(entry: ModulePlan, record: ModuleRecord, site: Site | None
@@ -581,7 +586,7 @@ class _AutocastState(TorchFunctionMode):
         out = func(*args, **kwargs)
         tracker = self.tracker
         name = getattr(func, "__name__", "")
-        if not tracker.stack or name in _CASTS or name in DATA_MOVEMENT:
+        if not tracker.stack or name in _CASTS or name in DATA_MOVEMENT or name in _VIEWS:
             return out
         if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out

@@ -43,14 +43,10 @@ from precision_annot._src.runtime import (
 from precision_annot._src.wrappers import unwrap
 from precision_annot.adapters.tp.choice import Decision, Note, decide, match
 from precision_annot.adapters.tp.grads import ReplicatedGrads, replicated
-from precision_annot.adapters.tp.styles import (
-    PlannedColwiseParallel,
-    PlannedRowwiseParallel,
-    state_of,
-)
+from precision_annot.adapters.tp.styles import PlannedColwiseParallel, PlannedRowwiseParallel
 
 __all__ = ["PlannedColwiseParallel", "PlannedRowwiseParallel", "decisions",
-           "parallelize_module", "reduced_in"]
+           "parallelize_module", "reduced_in", "styles"]
 
 
 def _owner_plan(module: nn.Module) -> tuple[PrecisionPlan, str] | None:
@@ -172,6 +168,7 @@ def parallelize_module(
         return torch_parallelize(module, device_mesh, None, src_data_rank=src_data_rank)
     root = unwrap(module)
     precision, prefix = model_plan(root, plan, "parallelize_module")
+    _warn_unmatched(root, match(root, parallelize_plan)[1])
     chosen = decisions(root, parallelize_plan, precision, prefix)
     _warn_notes(chosen)
     named = dict(root.named_modules())
@@ -186,9 +183,8 @@ def parallelize_module(
 def decisions(module: nn.Module, parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle],
               plan: PrecisionPlan, prefix: str = "") -> list[Decision]:
     """The style each module the TP plan names gets under `plan`, in the order they are
-    applied; keys naming no module are warned of."""
-    found, unmatched = match(module, parallelize_plan)
-    _warn_unmatched(module, unmatched)
+    applied (`prefix`: `module`'s name in `plan`)."""
+    found, _ = match(module, parallelize_plan)
     everything = plan.modules() or None
     named = dict(module.named_modules())
     return [decide(_full(prefix, name), named[name], style, plan, everything)
@@ -213,17 +209,20 @@ def _hook_replicated(root: nn.Module, chosen: list[Decision], plan: PrecisionPla
             sub.register_forward_pre_hook(ReplicatedGrads(comm))
 
 
+def _applied(module: nn.Module) -> list[Decision]:
+    """The decisions `parallelize_module` applied under `module` (whichever module it was
+    called on: the model, or each block)."""
+    return [d for sub in unwrap(module).modules() for d in sub.__dict__.get(_DECISIONS, [])]
+
+
+def styles(module: nn.Module) -> dict[str, ParallelStyle]:
+    """The style `parallelize_module` applied to each module under `module`, by name in the
+    precision plan (the last one, where a module was given several)."""
+    return {d.name: d.style for d in _applied(module)}
+
+
 def reduced_in(module: nn.Module) -> dict[str, torch.dtype]:
-    """The dtype each module `parallelize_module` gave a reducing style sums its partial
-    results across ranks in (a row-parallel Linear's output, a column-parallel Linear's input
-    gradient), by name in the precision plan."""
-    root = unwrap(module)
-    out: dict[str, torch.dtype] = {}
-    for decision in root.__dict__.get(_DECISIONS, []):
-        if decision.reduce is not None:
-            out[decision.name] = decision.reduce
-    for name, sub in root.named_modules():
-        st = state_of(sub)
-        if st is not None and name not in out:
-            out[name] = st.comm
-    return out
+    """The dtype each module under `module` that `parallelize_module` gave a reducing style
+    sums its partial results across ranks in (a row-parallel Linear's output, a
+    column-parallel Linear's input gradient), by name in the precision plan."""
+    return {d.name: d.reduce for d in _applied(module) if d.reduce is not None}

@@ -31,8 +31,10 @@ from torch.distributed.tensor.parallel import (
 
 from precision_annot._src.dtypes import FP8, FP8_RECIPES, dtype_name
 from precision_annot._src.findings import Severity, listing
+from precision_annot._src.float8 import import_torchao
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
 from precision_annot.adapters.tp.styles import PlannedColwiseParallel, PlannedRowwiseParallel
+from precision_annot.adapters.transformers import router_names
 
 __all__ = ["Decision", "Note", "decide", "match", "role"]
 
@@ -74,8 +76,6 @@ class Decision:
 def _float8_styles() -> dict[str, type[ParallelStyle]]:
     """torchao's fp8 styles by role; empty without torchao."""
     try:
-        from precision_annot._src.float8 import import_torchao
-
         tp = import_torchao("torchao.float8.float8_tensor_parallel", "fp8 tensor parallel")
     except ImportError:
         return {}
@@ -87,10 +87,11 @@ def role(style: ParallelStyle) -> tuple[str | None, bool]:
     """What a style does ("colwise", "rowwise", "prepare", or None for a style this adapter
     leaves alone: its own subclasses, SequenceParallel, ...), and whether it is torchao's fp8
     one. Only torch's and torchao's own classes (and the planned styles) are recognised."""
-    fp8 = {cls: r for r, cls in _float8_styles().items()}
     kind = type(style)
-    if kind in fp8:
-        return fp8[kind], True
+    if kind.__module__.startswith("torchao."):  # torchao is imported only for its own styles
+        fp8 = {cls: r for r, cls in _float8_styles().items()}
+        if kind in fp8:
+            return fp8[kind], True
     plain = {ColwiseParallel: "colwise", PlannedColwiseParallel: "colwise",
              RowwiseParallel: "rowwise", PlannedRowwiseParallel: "rowwise",
              PrepareModuleInput: "prepare"}
@@ -143,8 +144,9 @@ def _comm(entry: ModulePlan) -> torch.dtype | None:
     return None if comm is None or comm == FP8 else comm
 
 
-def _rebuild(style: ParallelStyle, cls: type[ParallelStyle], **extra: Any) -> ParallelStyle:
+def _rebuild(style: ParallelStyle, cls: type[Any], **extra: Any) -> ParallelStyle:
     """`style`'s layouts in another class of the same role."""
+    new: ParallelStyle
     if isinstance(style, (ColwiseParallel, RowwiseParallel)):
         new = cls(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
                   use_local_output=style.use_local_output, **extra)
@@ -159,7 +161,7 @@ def _rebuild(style: ParallelStyle, cls: type[ParallelStyle], **extra: Any) -> Pa
     return new
 
 
-def _plain(role_: str) -> type[ParallelStyle]:
+def _plain(role_: str) -> type[Any]:
     return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
             "prepare": PrepareModuleInput}[role_]
 
@@ -253,8 +255,6 @@ def _wire_only(name: str, entry: ModulePlan, kind: str, compute: torch.dtype | N
 
 def _not_fp8_note(name: str, entry: ModulePlan, style: ParallelStyle,
                   named: Mapping[str, nn.Module] | None) -> Note:
-    from precision_annot.adapters.transformers import router_names
-
     what = "a router" if named is not None and name in router_names(dict(named)) else (
         f"planned compute={dtype_name(entry.policy.compute)}")
     return Note(
@@ -262,7 +262,7 @@ def _not_fp8_note(name: str, entry: ModulePlan, style: ParallelStyle,
         f"The TP plan gives {name!r} {type(style).__name__}, but the precision plan does not "
         f"run it in fp8 ({what}): torchao's fp8 style would quantize its input to fp8 (and "
         "refuses a layer that is not a Float8Linear), so parallelize_module gives it "
-        "the plain style and keeps its planned dtype.",
+        "a style without fp8 and keeps its planned dtype.",
         f"Give {name!r} {type(style).__name__.replace('Float8', '')} in the TP plan.")
 
 

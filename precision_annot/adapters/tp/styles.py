@@ -137,8 +137,8 @@ def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
     with torch.autocast(device, enabled=False):
         xl = x.to_local().to(compute)  # the rounding autocast would do
         wl = cast(DTensor, weight).to_local().to(compute)
-        partial = _WideLinear.apply(xl, wl, acc)
-        out = _partial(partial, st.mesh).redistribute(
+        partial = _WideLinear.apply(xl, wl, acc)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _partial(partial, st.mesh).redistribute(
             st.mesh, (st.layout,), forward_dtype=st.comm)
         if bias is not None:
             out = out + bias.to(compute).to(out.dtype)
@@ -192,7 +192,7 @@ def _col_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
     weight, bias = cast(DTensor, module.weight), module.bias
     compute = _gemm_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        out = _ColLinear.apply(x.to_local(), weight.to_local(),
+        out = _ColLinear.apply(x.to_local(), weight.to_local(),  # type: ignore[no-untyped-call]
                                None if bias is None else cast(DTensor, bias).to_local(),
                                st, x.placements[0], compute)
     rows = tuple(out.shape[:-1])
