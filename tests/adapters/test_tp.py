@@ -352,3 +352,18 @@ def test_warnings_are_one_per_kind(group: None) -> None:
     texts = [str(w.message) for w in caught if "parallelize_module" in str(w.message)]
     assert len(texts) == 1 and "'blocks.0.up'" in texts[0]
     assert "The same holds for 'blocks.0.down', 'blocks.1.up' and 'blocks.1.down'" in texts[0]
+
+
+@pytest.mark.slow
+def test_users_loops_on_2_ranks(tmp_path: Path) -> None:
+    """A Hugging Face Llama (transformers' islands kept): with comm=fp32 TP=2 gives one rank's
+    logits and gradients; torch.compile(fullgraph=True), activation checkpointing, a forward
+    without gradients and a DCP round trip give what eager gives."""
+    pytest.importorskip("transformers")
+    rank = run_ranks("loops", tmp_path, 2)[0]
+    llama = rank["llama"]
+    assert llama["bf16"]["logits"] > 1e-3 and llama["bf16"]["grads"] > 1e-3
+    assert llama["fp32"]["logits"] == 0.0 and llama["fp32"]["grads"] < 1e-6
+    assert llama["fp32"]["divergences"] == [] and llama["bf16"]["divergences"] == []
+    assert rank["compiled"] and rank["checkpointed"] and rank["no_grad"] and rank["dcp"]
+    assert rank["dcp_dtypes"] == ["fp32"]

@@ -9,7 +9,8 @@ each rank writes OUTDIR/MODE-rank{R}.json:
 - fp8: Linear layers in fp8 (tensorwise) beside an fp32 router, against torchao's fp8 styles
   applied by hand on the same modules;
 - fsdp: FSDP2 + TP on a 2 x 2 mesh (4 ranks), sequence-parallel LayerNorms, 3 SGD steps;
-- checks: each finding of check(model, "tp", ...) against what a real run does (4 ranks).
+- checks: each finding of check(model, "tp", ...) against what a real run does (4 ranks);
+- loops: a Hugging Face Llama, torch.compile, activation checkpointing, no_grad, DCP.
 """
 
 from __future__ import annotations
@@ -456,14 +457,113 @@ def checks(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     return out
 
 
+# -- users' loops: a Hugging Face Llama, torch.compile, checkpointing, DCP ------------------------
+
+def llama_plan(layers: int) -> dict[str, Any]:
+    """Megatron's split of a Llama: q, k, v, gate and up column-parallel; o and down
+    row-parallel (each rank runs its own heads)."""
+    out: dict[str, Any] = {}
+    for i in range(layers):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            out[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            out[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    return out
+
+
+def llama(mesh: DeviceMesh) -> dict[str, Any]:
+    """TP=N against one rank, the plan's islands (transformers' own) kept, comm=bf16 and
+    comm=fp32 on the Linear layers."""
+    from precision_annot.adapters import transformers as hf
+    from tests.adapters.hf_models import build
+
+    base, batch = build("llama")
+
+    def planned(comm: str) -> nn.Module:
+        model = copy.deepcopy(base)
+        annotate(model, hf.rules(model))
+        annotate(model, {nn.Linear: f"comm={comm}"})
+        return apply(model, default="bf16-mixed")
+
+    def run(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        out = model(**batch)
+        out.loss.backward()
+        return out.logits.detach().double(), {n: full(p.grad).double()
+                                              for n, p in model.named_parameters()}
+
+    result: dict[str, Any] = {}
+    for comm in ("bf16", "fp32"):
+        one = run(planned(comm))
+        model = planned(comm)
+        tp.parallelize_module(model, mesh, llama_plan(2))
+        with audit(model) as report:
+            got = run(model)
+        result[comm] = {"logits": gap(got[0], one[0]), "grads": grad_gap(got[1], one[1]),
+                        "divergences": [str(v) for v in report.divergences]}
+    return result
+
+
+def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
+    """What users run around a model: a Llama, torch.compile(fullgraph=True), activation
+    checkpointing, a forward without gradients, torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.utils.checkpoint import checkpoint
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = Blocks(2, 16, 32)
+        annotate(model, {nn.Linear: "comm=fp32"})
+        apply(model, default="bf16-mixed")
+        return tp.parallelize_module(model, mesh, mlp_plan(2))
+
+    x = torch.randn(4, 16)
+    eager = step(build(), x)
+    torch._dynamo.reset()
+    compiled = build()
+    got = step_fn(compiled, torch.compile(compiled, backend="aot_eager", fullgraph=True), x)
+    checkpointed = build()
+
+    def through_checkpoints(h: torch.Tensor) -> torch.Tensor:
+        for block in checkpointed.blocks:  # type: ignore[union-attr]
+            h = checkpoint(block, h, use_reentrant=False)
+        return h
+
+    ckpt = step_fn(checkpointed, through_checkpoints, x)
+    model = build()
+    with torch.no_grad():
+        evaluated = model(x)
+    path = Path(args[0]) / "dcp"
+    dcp.save(model.state_dict(), checkpoint_id=str(path))
+    other = build()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    state = other.state_dict()
+    dcp.load(state, checkpoint_id=str(path))
+    other.load_state_dict(state)
+    return {
+        "llama": llama(mesh),
+        "compiled": bool(torch.equal(got[0], eager[0]))
+        and all(torch.equal(got[1][k], eager[1][k]) for k in eager[1]),
+        "checkpointed": all(torch.equal(ckpt[1][k], eager[1][k]) for k in eager[1]),
+        "no_grad": bool(torch.equal(full(evaluated).double(), eager[0])),
+        "dcp": bool(torch.equal(full(other(x)).double(), eager[0])),
+        "dcp_dtypes": sorted({dtype_name(p.dtype) for p in other.parameters()}),
+    }
+
+
 MODES: dict[str, Callable[[DeviceMesh, list[str]], dict[str, Any]]] = {
-    "gaps": gaps, "fp8": fp8, "checks": checks}
+    "gaps": gaps, "fp8": fp8, "checks": checks, "loops": loops}
 
 
 def main() -> None:
     mode, outdir, args = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if mode == "loops":
+        args = [str(outdir)]
     if mode == "fsdp":
         mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
                                 mesh_dim_names=("dp", "tp"))

@@ -206,7 +206,9 @@ def _hook_replicated(root: nn.Module, chosen: list[Decision], plan: PrecisionPla
             if any(isinstance(h, ReplicatedGrads) for h in sub._forward_pre_hooks.values()):
                 continue
             seen.add(name)
-            sub.register_forward_pre_hook(ReplicatedGrads(comm))
+            hook = ReplicatedGrads(comm)
+            hook.hook(sub)
+            sub.register_forward_pre_hook(hook)
 
 
 def _applied(module: nn.Module) -> list[Decision]:

@@ -35,9 +35,10 @@ def reduce_partial(comm: torch.dtype, grad: torch.Tensor) -> torch.Tensor | None
 
 class ReplicatedGrads:
     """A forward pre-hook on a module holding parameters replicated over a tensor-parallel
-    mesh: before its first forward (and, under FSDP2, on the unsharded parameter its unit
-    gathers, which FSDP2 keeps from step to step) it hooks each such parameter's gradient to
-    be reduced in `comm` as it arrives. One check of a few parameters per call.
+    mesh: each such parameter's gradient is hooked to be reduced in `comm` as it arrives, when
+    the hook is made and at each eager forward for parameters that appeared since (FSDP2's
+    unsharded parameters, which it keeps from step to step: under `torch.compile`, where
+    nothing is hooked, run one eager step first). One check of a few parameters per call.
 
     Args:
         comm: the dtype to reduce the partial gradients in.
@@ -48,6 +49,12 @@ class ReplicatedGrads:
         self.hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # hooked eagerly: at parallelize_module, or before
+            return
+        self.hook(module)
+
+    def hook(self, module: nn.Module) -> None:
+        """Hook the module's replicated parameters not hooked yet."""
         # the real parameters: a CastingDict's items, not the copies it hands out
         for param in dict.values(module._parameters):
             if (isinstance(param, DTensor) and param.requires_grad and param.is_leaf

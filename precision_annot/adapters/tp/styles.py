@@ -148,8 +148,9 @@ def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
 class _ColLinear(torch.autograd.Function):
     """Like `F.linear(x, w, b)` on a column shard of `w`, with the input's gradient (a partial
     sum over this rank's output features) computed in `comm` and reduced in `comm` into the
-    input's layout, then rounded once to the input's dtype. `x` arrives in its input layout
-    and is gathered here, in the compute dtype."""
+    input's layout, then rounded once to the compute dtype, as the GEMM of one rank hands it
+    back (and then cast to the input's dtype). `x` arrives in its input layout and is
+    gathered here, in the compute dtype."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -176,7 +177,8 @@ class _ColLinear(torch.autograd.Function):
             partial = wide_mm(g.to(wc.dtype), wc, acc).reshape(xc.shape)
             reduced = _partial(partial, st.mesh).redistribute(
                 st.mesh, (ctx.layout,), forward_dtype=st.comm).to_local()
-            grad_x = reduced.to(ctx.x_dtype).reshape(ctx.x_shape)
+            # rounded once, to what the GEMM hands back (then to the input's own dtype)
+            grad_x = reduced.to(wc.dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_w = g.t().to(wc.dtype) @ _flat(xc)
         if ctx.bias and ctx.needs_input_grad[2]:
@@ -277,8 +279,8 @@ class PlannedRowwiseParallel(RowwiseParallel):
 class PlannedColwiseParallel(ColwiseParallel):
     """Like `ColwiseParallel`, but the input's gradient (a partial sum over the output
     features each rank holds) is computed and reduced in `comm`, then rounded once to the
-    input's dtype. For `nn.Linear` layers; its input is gathered (with `input_layouts=Shard(1)`)
-    inside the layer, in the compute dtype.
+    dtype the GEMM computes in, as on one rank. For `nn.Linear` layers; its input is gathered
+    (with `input_layouts=Shard(1)`) inside the layer, in the compute dtype.
 
     Args:
         comm: the dtype the input's gradient is computed and reduced in.
