@@ -277,12 +277,21 @@ def test_tp2_with_comm_fp32_equals_one_rank(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_tp_gaps_on_12_blocks(tmp_path: Path, ranks: int) -> None:
-    """The measurement in docs/backends/tp.md: 12 residual bf16 MLP blocks, TP=N against one
-    rank. The output gap with comm=fp32 is at least 20x below bf16's; the gradient gap is
-    below what one rank differs from itself when its GEMMs sum in another order."""
-    rank = run_ranks("gaps", tmp_path, ranks, "12", "64", "256", "0")[0]
-    assert rank["fp32"][0] <= rank["bf16"][0] / 20
-    assert rank["fp32"][1] <= rank["self_gap"][1] and rank["fp32"][1] <= rank["bf16"][1] / 5
+    """The measurement in docs/backends/tp.md: 12 residual bf16 MLP blocks, 10 seeds, TP=N
+    against one rank. With comm=fp32 most seeds give one rank's output and gradients exactly;
+    the others differ by a rounding flip, no more than one rank differs from itself when its
+    GEMMs sum in another order; on average 20x below bf16's gap (the output's), 10x (the
+    gradients')."""
+    rank = run_ranks("gaps", tmp_path, ranks, "12", "64", "256", "0", "10")[0]
+    seeds = rank["seeds"]  # bf16 out, bf16 grads, fp32 out, fp32 grads, self out, self grads
+
+    def mean(i: int) -> float:
+        return sum(s[i] for s in seeds) / len(seeds)
+
+    assert mean(2) <= mean(0) / 20 and mean(3) <= mean(1) / 10
+    assert sum(s[2] == 0 for s in seeds) >= 7 and sum(s[3] == 0 for s in seeds) >= 6
+    assert max(s[3] for s in seeds) <= 2 * max(s[5] for s in seeds)
+    assert min(s[1] for s in seeds) > 5e-3  # bf16 reductions: every seed
     assert rank["fp32_audit"]["divergences"] == []
 
 

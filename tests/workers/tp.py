@@ -3,7 +3,7 @@
 `python -m torch.distributed.run --nproc_per_node N -m tests.workers.tp MODE OUTDIR [ARGS]`;
 each rank writes OUTDIR/MODE-rank{R}.json:
 
-- gaps [BLOCKS D HIDDEN REPEATS]: residual bf16 MLP blocks, TP=N against one rank under the
+- gaps [BLOCKS D HIDDEN REPEATS SEEDS]: residual bf16 MLP blocks, TP=N against one rank under the
   same applied plan, with comm=bf16 and comm=fp32 on the Linear layers: output and gradient
   gaps, audit's reductions, thread CPU time per step and bytes reduced per step;
 - fp8: Linear layers in fp8 (tensorwise) beside an fp32 router, against torchao's fp8 styles
@@ -141,7 +141,8 @@ def quiet() -> Iterator[list[warnings.WarningMessage]]:
 # -- gaps: TP=N against one rank ------------------------------------------------------------------
 
 def gaps(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
-    n, d, hidden, repeats = (int(a) for a in (args or ["12", "64", "256", "0"]))
+    defaults = ["12", "64", "256", "0", "1"]  # blocks, width, hidden, timed steps, seeds
+    n, d, hidden, repeats, seeds = (int(a) for a in [*args, *defaults[len(args):]])
     torch.manual_seed(0)
     base = Blocks(n, d, hidden)
     x = torch.randn(16, d)
@@ -186,7 +187,28 @@ def gaps(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     out["self_gap"] = [gap(reorder[0], one["fp32"][0]), grad_gap(reorder[1], one["fp32"][1])]
     if repeats:
         out["cost"] = cost(models, x, repeats)
+    out["seeds"] = [[*out["bf16"], *out["fp32"], *out["self_gap"]]]
+    out["seeds"] += [seed_gaps(mesh, n, d, hidden, seed) for seed in range(1, seeds)]
     return out
+
+
+def seed_gaps(mesh: DeviceMesh, n: int, d: int, hidden: int, seed: int) -> list[float]:
+    """Another model and batch: [bf16 output gap, bf16 gradient gap, fp32 ..., one rank
+    against itself ...]."""
+    torch.manual_seed(seed)
+    base = Blocks(n, d, hidden)
+    x = torch.randn(16, d)
+    found: list[float] = []
+    for comm in ("bf16", "fp32"):
+        model = copy.deepcopy(base)
+        annotate(model, {nn.Linear: f"comm={comm}"})
+        apply(model, default="bf16-mixed")
+        one = step(copy.deepcopy(model), x)
+        if comm == "fp32":
+            reorder = step(wide(copy.deepcopy(model)), x)
+        got = step(tp.parallelize_module(model, mesh, mlp_plan(n)), x)
+        found += [gap(got[0], one[0]), grad_gap(got[1], one[1])]
+    return [*found, gap(reorder[0], one[0]), grad_gap(reorder[1], one[1])]
 
 
 def _wide_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

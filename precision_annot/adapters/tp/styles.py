@@ -252,7 +252,9 @@ class PlannedRowwiseParallel(RowwiseParallel):
     Args:
         comm: the dtype of the partial sums and of their reduction.
         output: the dtype the reduced output is rounded to. (Default: None)
-        input_layouts, output_layouts, use_local_output: as for `RowwiseParallel`.
+        input_layouts: as for `RowwiseParallel`. (Default: None)
+        output_layouts: as for `RowwiseParallel`. (Default: None)
+        use_local_output: as for `RowwiseParallel`. (Default: True)
     """
 
     def __init__(self, *, comm: torch.dtype, output: torch.dtype | None = None,
@@ -284,7 +286,9 @@ class PlannedColwiseParallel(ColwiseParallel):
 
     Args:
         comm: the dtype the input's gradient is computed and reduced in.
-        input_layouts, output_layouts, use_local_output: as for `ColwiseParallel`.
+        input_layouts: as for `ColwiseParallel`. (Default: None)
+        output_layouts: as for `ColwiseParallel`. (Default: None)
+        use_local_output: as for `ColwiseParallel`. (Default: True)
     """
 
     def __init__(self, *, comm: torch.dtype, input_layouts: Placement | None = None,
