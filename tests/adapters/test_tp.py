@@ -366,8 +366,9 @@ def test_warnings_are_one_per_kind(group: None) -> None:
 @pytest.mark.slow
 def test_users_loops_on_2_ranks(tmp_path: Path) -> None:
     """A Hugging Face Llama (transformers' islands kept): with comm=fp32 TP=2 gives one rank's
-    logits and gradients; torch.compile(fullgraph=True), activation checkpointing, a forward
-    without gradients and a DCP round trip give what eager gives."""
+    logits and gradients; a sequence-parallel LayerNorm's gradient is reduced in fp32;
+    torch.compile(fullgraph=True), activation checkpointing, a forward without gradients and
+    a DCP round trip give what eager gives."""
     pytest.importorskip("transformers")
     rank = run_ranks("loops", tmp_path, 2)[0]
     llama = rank["llama"]
@@ -376,3 +377,6 @@ def test_users_loops_on_2_ranks(tmp_path: Path) -> None:
     assert llama["fp32"]["divergences"] == [] and llama["bf16"]["divergences"] == []
     assert rank["compiled"] and rank["checkpointed"] and rank["no_grad"] and rank["dcp"]
     assert rank["dcp_dtypes"] == ["fp32"]
+    # TP alone: a bf16 LayerNorm's partial gradient reduced in its comm (fp32) as it arrives
+    assert rank["replicated"] == {"reduced": [["all_reduce", "fp32"]], "grad": ["bf16", "R"],
+                                  "agree": True}

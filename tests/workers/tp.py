@@ -527,6 +527,27 @@ def llama(mesh: DeviceMesh) -> dict[str, Any]:
     return result
 
 
+def replicated_grads(mesh: DeviceMesh) -> dict[str, Any]:
+    """TP alone, sequence-parallel LayerNorms stored in bf16 with comm=fp32: the norms'
+    partial gradients are all-reduced in fp32 as they arrive (torch all-reduces them in bf16
+    at the optimizer step), and the ranks' weights agree after a step."""
+    torch.manual_seed(0)
+    model = Blocks(1, 16, 32, norm=True)
+    apply(model, default="bf16,comm=fp32")
+    tp.parallelize_module(model, mesh, sp_plan(1))
+    log = Collectives()
+    with log:
+        model(torch.randn(2, 4, 16)).float().square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    weight = model.blocks[0].norm.weight  # type: ignore[union-attr]
+    local = weight.to_local().detach().clone()
+    everyone = [torch.zeros_like(local) for _ in range(mesh.size())]
+    dist.all_gather(everyone, local)
+    return {"reduced": sorted({(op, d) for op, d, n in log.calls if n == local.numel()}),
+            "grad": [dtype_name(weight.grad.dtype), str(weight.grad.placements[0])],
+            "agree": all(torch.equal(everyone[0], w) for w in everyone)}
+
+
 def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     """What users run around a model: a Llama, torch.compile(fullgraph=True), activation
     checkpointing, a forward without gradients, torch.distributed.checkpoint."""
@@ -566,6 +587,7 @@ def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     dcp.load(state, checkpoint_id=str(path))
     other.load_state_dict(state)
     return {
+        "replicated": replicated_grads(mesh),
         "llama": llama(mesh),
         "compiled": bool(torch.equal(got[0], eager[0]))
         and all(torch.equal(got[1][k], eager[1][k]) for k in eager[1]),

@@ -30,7 +30,9 @@ def reduce_partial(comm: torch.dtype, grad: torch.Tensor) -> torch.Tensor | None
     if not any(p.is_partial() for p in grad.placements):
         return None
     target = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
-    return grad.redistribute(grad.device_mesh, target, forward_dtype=comm).to(grad.dtype)
+    wide = DTensor.from_local(grad.to_local().to(comm), grad.device_mesh, grad.placements,
+                              run_check=False, shape=grad.shape, stride=grad.stride())
+    return wide.redistribute(grad.device_mesh, target).to(grad.dtype)
 
 
 class ReplicatedGrads:

@@ -137,9 +137,8 @@ def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
     with torch.autocast(device, enabled=False):
         xl = x.to_local().to(compute)  # the rounding autocast would do
         wl = cast(DTensor, weight).to_local().to(compute)
-        partial = _WideLinear.apply(xl, wl, acc)  # type: ignore[no-untyped-call]
-        out: torch.Tensor = _partial(partial, st.mesh).redistribute(
-            st.mesh, (st.layout,), forward_dtype=st.comm)
+        partial = _WideLinear.apply(xl, wl, acc).to(st.comm)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _partial(partial, st.mesh).redistribute(st.mesh, (st.layout,))
         if bias is not None:
             out = out + bias.to(compute).to(out.dtype)
         return out.to(st.output or compute)
@@ -175,8 +174,8 @@ class _ColLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             acc = cast(torch.dtype, widest((wc.dtype, st.comm)))
             partial = wide_mm(g.to(wc.dtype), wc, acc).reshape(xc.shape)
-            reduced = _partial(partial, st.mesh).redistribute(
-                st.mesh, (ctx.layout,), forward_dtype=st.comm).to_local()
+            reduced = _partial(partial.to(st.comm), st.mesh).redistribute(
+                st.mesh, (ctx.layout,)).to_local()
             # rounded once, to what the GEMM hands back (then to the input's own dtype)
             grad_x = reduced.to(wc.dtype).to(ctx.x_dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
