@@ -203,6 +203,8 @@ def _hook_replicated(root: nn.Module, chosen: list[Decision], plan: PrecisionPla
             comm = plan[name].policy.grad_comm if name in plan else None
             if name in seen or comm is None or not replicated(sub):
                 continue
+            # NOTE: nn.Module has no public way to list its hooks; `_forward_pre_hooks` is read
+            # only, so that parallelizing a module twice hooks it once
             if any(isinstance(h, ReplicatedGrads) for h in sub._forward_pre_hooks.values()):
                 continue
             seen.add(name)
