@@ -24,7 +24,7 @@ from precision_annot._src.runtime import applied_plan, subject
 
 __all__ = ["BACKENDS", "check"]
 
-BACKENDS = ("local", "deepspeed", "fsdp", "fsdp1", "ddp", "lightning")
+BACKENDS = ("local", "deepspeed", "fsdp", "fsdp1", "ddp", "lightning", "tp")
 
 #: the keys `config` may hold, per backend (DeepSpeed takes its whole config, Lightning the
 #: Trainer's keyword arguments); `grad_scaler: True` says the training loop scales the loss
@@ -34,6 +34,7 @@ _CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "fsdp1": ("merge_below", "latency_s", "bandwidth", "use_orig_params", "grad_scaler",
               "optimizer"),
     "ddp": ("bucket_cap_mb", "grad_scaler", "optimizer"),
+    "tp": ("parallelize_plan", "tp_degree", "grad_scaler", "optimizer"),
 }
 
 Comm = dict[str, torch.dtype] | None
@@ -119,6 +120,14 @@ def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module 
             reduced(plan, options), None)
 
 
+def _tp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
+        options: Any) -> Checked:
+    from precision_annot.adapters.tp.checks import findings  # deferred: backend asked about
+
+    options = {k: v for k, v in (options or {}).items() if k not in ("grad_scaler", "optimizer")}
+    return findings(plan, model, options), None, None
+
+
 def _applied(model: nn.Module) -> bool:
     return applied_plan(model) is not None
 
@@ -156,6 +165,7 @@ _CHECKS: dict[str, Checker] = {
     "fsdp1": _fsdp("fsdp1"),
     "ddp": _ddp,
     "lightning": _lightning,
+    "tp": _tp,
 }
 
 
@@ -172,8 +182,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             resolved here; wrappers are seen through, and a `DistributedDataParallel` model's
             comm hook is checked under backend="ddp") or a `PrecisionPlan` (resolve it with
             the defaults you will train with, e.g. `resolve(model, "bf16-mixed")`).
-        backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning";
-            None checks only what holds for every backend. (Default: None)
+        backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning",
+            "tp" (tensor parallel); None checks only what holds for every backend.
+            (Default: None)
         config: what the backend will be given. DeepSpeed: the config it will get, as it is (a
             dict, or a JSON or hjson file; None: what `to_config(plan)` exports), with
             `prepare(model)` called before `initialize`.
@@ -182,7 +193,8 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             (one that ignores the plan's masters or states is an error). FSDP: `units`
             (FSDP2, with a model) and `merge_below` as
             `fully_shard` takes them, the cost model's `latency_s` and `bandwidth`, and for
-            FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. Local, DDP and FSDP:
+            FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. TP: `parallelize_plan` (as
+            `adapters.tp.parallelize_module` takes it) and `tp_degree`. Local, DDP and FSDP:
             `grad_scaler=True` when the training loop scales the loss. (Default: None)
 
     Returns:
