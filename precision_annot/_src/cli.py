@@ -378,10 +378,10 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--backend", choices=BACKENDS,
                      help="the backend you will launch with (default: what holds for all)")
     chk.add_argument("--config", metavar="CFG.json",
-                     help="a file, or a JSON object inline; deepspeed: the config it will get "
-                          "(JSON or hjson); lightning: the Trainer's arguments; fsdp: units, "
-                          "merge_below, latency_s, bandwidth; fsdp1: use_orig_params; ddp: "
-                          "bucket_cap_mb; local, ddp, fsdp: grad_scaler")
+                     help="the backend's config, a file or a JSON object inline: deepspeed: "
+                          "the config it will get (JSON or hjson); lightning: the Trainer's "
+                          "arguments; the others: the keys check() takes for them (a key it "
+                          "does not take is refused, naming those it does)")
     chk.add_argument("--json", action="store_true", help="print the findings as JSON")
     dif = _command(sub, "diff", "one step of the plan beside the same step in fp32, module by "
                    "module; names the first module past the tolerance (exit status 1 if one "

@@ -335,7 +335,9 @@ def test_check_a_static_fp16_loss_scale_as_on_a_gpu_machine(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed's fp16 section refuses this CPU (the finding below); where fp16 runs, a
     static loss scale is what is left to say. Mocked: only the device's answer."""
-    monkeypatch.setattr(dsa, "_fp16_supported", lambda: True)
+    from precision_annot.adapters.deepspeed import checks
+
+    monkeypatch.setattr(checks, "_fp16_supported", lambda: True)
     plan = resolve(nn.Sequential(nn.Linear(4, 4)), default="fp16")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
