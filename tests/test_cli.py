@@ -235,7 +235,7 @@ def test_check_exit_status_gates_on_errors(tmp_path: Path,
     assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["lightning-no-plugin"]
     assert main(["check", target, "--backend", "fsdp", "--config", trainer]) == 2
     assert ("unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth', "
-            "'grad_scaler', 'optimizer']") in capsys.readouterr().err
+            "'grad_scaler', 'optimizer', 'fp8']") in capsys.readouterr().err
     for backend in ("deepspeed", "lightning"):  # a missing file is bad input, not a finding
         assert main(["check", target, "--backend", backend, "--config", "gone.json"]) == 2
         assert "--config: no file at 'gone.json'" in capsys.readouterr().err

@@ -18,7 +18,7 @@ How to add a backend (a `tp` backend, say):
    a dict holding only those keys (an unknown key is a `ValueError` listing the valid ones);
    with `keys = None`, the config is the backend's own format (DeepSpeed's config, the
    Trainer's keyword arguments), and the backend overrides `options` to read it as the backend
-   reads it. `LOOP_KEYS` are the training loop's (`grad_scaler`, `optimizer`): `check`
+   reads it. `LOOP_KEYS` are the training loop's (`grad_scaler`, `optimizer`, `fp8`): `check`
    reads them itself for every backend that lists them.
 2. `run` returns its findings and, where it knows them, the dtype it reduces each module's
    gradients in (`comm`) and stores its parameters in (`stored`). For a backend that trains
@@ -56,8 +56,11 @@ REGISTRY: dict[str, str] = {
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 
 #: the training loop's options, read by `check` for each backend whose `keys` list them:
-#: `grad_scaler=True` (the loop scales the loss), `optimizer` (the optimizer it steps)
-LOOP_KEYS: tuple[str, ...] = ("grad_scaler", "optimizer")
+#: `grad_scaler=True` (the loop scales the loss), `optimizer` (the optimizer it steps), `fp8`
+#: ("apply", the default: `apply` converts the fp8 layers; "accelerate": Accelerate does, from
+#: `adapters.fp8.ao_recipe_kwargs`)
+LOOP_KEYS: tuple[str, ...] = ("grad_scaler", "optimizer", "fp8")
+FP8_CONVERTERS = ("apply", "accelerate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,9 @@ class CheckBackend:
         if unknown:
             raise ValueError(f"check: config for backend={self.name!r} has unknown key "
                              f"{unknown[0]!r}; valid: {list(keys)}.")
+        if config.get("fp8", "apply") not in FP8_CONVERTERS:
+            raise ValueError(f"check: config 'fp8' says who converts the fp8 layers, one of "
+                             f"{list(FP8_CONVERTERS)}. Received: fp8={config['fp8']!r}")
         return dict(config)
 
     def loop(self, options: Any) -> dict[str, Any]:

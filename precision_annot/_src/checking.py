@@ -17,7 +17,7 @@ from torch import nn
 from precision_annot._src.check_backend import BACKENDS, Checked, backend_for
 from precision_annot._src.dtypes import STOCHASTIC
 from precision_annot._src.findings import SEVERITIES, Finding, listing, numerics
-from precision_annot._src.float8_checks import fp8_findings
+from precision_annot._src.float8_checks import accelerate_findings, fp8_findings
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import UPDATE_FIELDS
 from precision_annot._src.runtime import subject
@@ -71,7 +71,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             `prepare(model)` called before `initialize`.
             Lightning: the Trainer's keyword arguments (`precision`, `plugins`, `strategy`,
             `accelerator`). Local, DDP and FSDP: `optimizer`, the optimizer you will step
-            (one that ignores the plan's masters or states is an error). FSDP: `units`
+            (one that ignores the plan's masters or states is an error), and `fp8`, who converts
+            the fp8 layers: "apply" (the default) or "accelerate" (Accelerate's
+            `AORecipeKwargs` from `adapters.fp8.ao_recipe_kwargs`). FSDP: `units`
             (FSDP2, with a model) and `merge_below` as
             `fully_shard` takes them, the cost model's `latency_s` and `bandwidth`, and for
             FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. Local, DDP and FSDP:
@@ -114,4 +116,6 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         if loop.get("optimizer") is not None:
             found += _optimizer(plan, loop["optimizer"])
         found += fp8_findings(plan, backend)
+        if loop.get("fp8") == "accelerate":
+            found += accelerate_findings(given)
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))

@@ -8,6 +8,7 @@ one dtype; without torch_autocast ZeRO 1-3 do too; with it, each parameter reduc
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from precision_annot._src.check_backend import CheckBackend, Checked
 from precision_annot._src.dtypes import bf16, fp16, fp32
-from precision_annot._src.findings import Finding, drift
+from precision_annot._src.findings import Finding, drift, listing
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.runtime import Subject, subject
 from precision_annot.adapters.deepspeed.export import (
@@ -196,10 +197,143 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                to_config(dsp, config)
+                to_config(dsp, _without_update_keys(config))  # those: _update_layout's
         except (TypeError, ValueError) as e:
-            yield Finding("error", "deepspeed-config", "", f"{e}. {_CONSEQUENCE}",
+            yield Finding("error", "deepspeed-config", "",
+                          f"{str(e).rstrip('.')}. {_CONSEQUENCE}.",
                           "Change the config or the plan's annotations, as the message says.")
+        yield from _update_layout(dsp, config, stage)
+
+
+# -- the update half: the config's layout against the plan's ----------------------------------
+
+_MASTERS = "{}_master_weights_and_grads"
+_STATES = "{}_optimizer_states"
+_LOW = {"bf16": bf16, "fp16": fp16}
+
+
+def _without_update_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` less the keys that say where DeepSpeed keeps masters and optimizer states:
+    `_update_layout` compares those with the plan itself."""
+    out = copy.deepcopy(config)
+    for section in _LOW:
+        if isinstance(out.get(section), dict):
+            for key in (_MASTERS.format(section), _STATES.format(section)):
+                out[section].pop(key, None)
+    return out
+
+
+def _update_layout(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int
+                   ) -> Iterator[Finding]:
+    """Where the config keeps masters and optimizer states (DeepSpeed's defaults where it says
+    nothing) other than the plan does: narrowed (an error), widened (a warning), or a layout
+    DeepSpeed itself refuses."""
+    planned, _, _ = update_half(dsp, stage)
+    section = next((s for s in _LOW if config_flag(config, s)), None)
+    names = _update_modules(dsp.plan)
+    if not planned or section is None or not names:
+        return  # the plan leaves the update half to DeepSpeed, or runs no bf16/fp16 section
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    given = {key: bool(config_flag(config, section, key)) for key in (masters, states)}
+    refusal = _layout_refusal(config, section, given[masters], given[states], stage)
+    if refusal is not None:
+        yield _refused_layout(names, section, refusal,
+                              fp32_planned=planned.get(masters) is False and given[masters])
+    elif masters in planned and planned[masters] != given[masters]:
+        said = "true" if given[masters] else _false(config, section, masters)
+        yield _masters_finding(dsp.plan, names, section, given[masters], said)
+    elif states in planned and planned[states] != given[states]:
+        yield _states_finding(dsp.plan, names, section, planned[states])
+
+
+def _update_modules(plan: PrecisionPlan) -> tuple[str, ...]:
+    """The parameter-holding modules whose plan sets the update half."""
+    return tuple(n for n in param_entries(plan) if any(
+        getattr(plan[n].policy, f) is not None for f in ("master", "grad", "optim")))
+
+
+def _false(config: dict[str, Any], section: str, key: str) -> str:
+    """How a config says a flag is off: "false", or not at all."""
+    return ("false" if key in config_section(config, section) else
+            "not set, and DeepSpeed's default is false")
+
+
+def _refused_layout(names: tuple[str, ...], section: str, refusal: str, *,
+                    fp32_planned: bool) -> Finding:
+    """A layout DeepSpeed refuses; where the plan keeps fp32 masters and the config asked for
+    low ones, what the names mean besides."""
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    return Finding("error", "deepspeed-masters", names[0], f"{_REFUSES} {refusal}." + (
+        f" Nor is it the plan's layout: the plan keeps fp32 masters (master=fp32), and "
+        f"{masters}: true keeps them in {section}. {_NAMES_MISLEAD}" if fp32_planned else ""),
+        f"Leave {section}.{masters} and {section}.{states} out, or set them as "
+        "to_config(plan, config) writes them.", names)
+
+
+def _layout_refusal(config: dict[str, Any], section: str, low_masters: bool, low_states: bool,
+                    stage: int) -> str | None:
+    """Why DeepSpeed (0.19) refuses this layout at `initialize`, or None."""
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    if (low_masters or low_states) and stage == 0:
+        return f"{section}.{masters} or {states} at ZeRO stage 0 (\"only supported with ZeRO " \
+               "Stage 1, 2, or 3\")"
+    if low_states and not low_masters:
+        return (f"{section}.{states} without {masters} (\"{states} requires {masters} to be "
+                "enabled\")")
+    offload = config_section(config_section(config, "zero_optimization"),
+                             "offload_optimizer").get("device") in ("cpu", "nvme")
+    if low_masters and not low_states and not offload:
+        return (f"{section}.{masters} without {states}: its optimizer states would stay fp32, "
+                f"which needs ZeRO-Offload with DeepSpeedCPUAdam (\"Master weights feature "
+                f"requires ZeRO-{stage} Offload with DeepSpeedCPUAdam\")")
+    return None
+
+
+_NAMES_MISLEAD = ("The names read alike and mean opposite things: the preset \"bf16-master\" "
+                  "(master=fp32) keeps fp32 master weights beside bf16 weights, while "
+                  "DeepSpeed's bf16_master_weights_and_grads: true keeps the master weights "
+                  "themselves in bf16.")
+
+
+def _masters_finding(plan: PrecisionPlan, names: tuple[str, ...], section: str,
+                     given_low: bool, said: str) -> Finding:
+    """The config keeps the masters in another dtype than the plan: narrower (an error) or
+    wider (a warning), said with what each name means."""
+    key = f"{section}.{_MASTERS.format(section)}"
+    elements = sum(plan[n].params for n in names)
+    if given_low:  # the plan keeps fp32 masters, DeepSpeed low ones: narrowed
+        return Finding(
+            "error", "deepspeed-masters", names[0],
+            f"DeepSpeed keeps {section} master weights and gradients ({key}: {said}), where "
+            f"the plan keeps fp32 masters (master=fp32) for {listing(list(names))} "
+            f"({elements:,} parameters): each update is added to a {section} weight, so one "
+            f"below about 2^-{8 if section == 'bf16' else 11} of the weight rounds away. "
+            f"{_NAMES_MISLEAD}",
+            f"Set {key} to false and drop {section}.{_STATES.format(section)} (or leave both "
+            "out): to_config(plan, config) writes them as the plan says.", names)
+    return Finding(
+        "warning", "deepspeed-masters", names[0],
+        f"DeepSpeed keeps fp32 master weights and gradients and fp32 optimizer state ({key}: "
+        f"{said}), where the plan updates the {section} weights themselves "
+        f"(master={section}) for {listing(list(names))}: {elements * 2:,} more bytes of "
+        f"masters and twice the bytes of optimizer state than planned. {_NAMES_MISLEAD}",
+        f"Set {key} and {section}.{_STATES.format(section)} to true (to_config(plan, config) "
+        "writes them), or plan master=fp32.", names)
+
+
+def _states_finding(plan: PrecisionPlan, names: tuple[str, ...], section: str,
+                    planned_low: bool) -> Finding:
+    """Masters as planned, optimizer states in another dtype."""
+    key = f"{section}.{_STATES.format(section)}"
+    if planned_low:
+        return Finding("warning", "deepspeed-masters", names[0],
+                       f"DeepSpeed keeps fp32 optimizer state ({key} is false), where the plan "
+                       f"keeps it in {section} for {listing(list(names))}: twice the bytes.",
+                       f"Set {key} to true.", names)
+    return Finding("error", "deepspeed-masters", names[0],
+                   f"DeepSpeed keeps {section} optimizer state ({key}: true), where the plan "
+                   f"keeps it wider for {listing(list(names))}: the moments lose bits.",
+                   f"Set {key} to false.", names)
 
 
 #: "auto" values DeepSpeed's engine reads as they are after its config parser let them through
