@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.annotation import annotate
+from precision_annot._src.checkpoints.loading import narrowed, warn_narrowed
 from precision_annot._src.dtypes import FP8_RECIPES, dtype_name, fp16, fp32, to_dtype, wider
 from precision_annot._src.float8 import plain_class
 from precision_annot._src.plan import PrecisionPlan, parent_name
@@ -498,6 +499,7 @@ def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
     tensors = {n: _tensor(model, n) for n in names}
     by_file, missed = _files_of(directory, keys)
     restored: set[int] = set()
+    saved: list[tuple[str, torch.dtype]] = []
     for file, found in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             present = set(f.keys())
@@ -506,9 +508,13 @@ def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
                 if tensor is None or key not in present:
                     missed.append(name)
                     continue
+                value = f.get_tensor(key)
+                saved.append((name, value.dtype))
                 with torch.no_grad():
-                    tensor.copy_(f.get_tensor(key).to(tensor.dtype))
+                    tensor.copy_(value.to(tensor.dtype))
                 restored.add(id(tensor))
+    warn_narrowed("from_pretrained", narrowed(
+        {n: t.dtype for n, t in tensors.items() if t is not None}, saved), stacklevel=3)
     lost = [n for n in missed if tensors[n] is not None and id(tensors[n]) not in restored]
     if lost:  # a tied tensor restored through its twin is not lost
         warnings.warn(

@@ -505,6 +505,27 @@ def test_a_tensor_that_cannot_be_read_back_is_named(tmp_path: Path) -> None:
         hf.from_pretrained(type(model), tmp_path, dtype=torch.bfloat16)
 
 
+def test_from_pretrained_of_a_bf16_checkpoint_names_the_islands_it_rounded(
+        tmp_path: Path) -> None:
+    """A checkpoint written all in bf16 (model.save_pretrained of a bf16 model, as most hub
+    checkpoints are) holds the fp32 islands rounded: from_pretrained keeps them fp32 and now
+    says which lost their low bits before the load (0.4 widened them silently)."""
+    model, _ = annotated("llama")
+    randomize_norms(model)
+    plan = resolve(model, default="bf16")
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    norms = [n for n, p in model.named_parameters() if "norm" in n]
+    with pytest.warns(UserWarning, match=rf"from_pretrained: the checkpoint holds {len(norms)} "
+                                         r"tensor\(s\) narrower than the plan keeps them") as said:
+        loaded = hf.from_pretrained(type(model), tmp_path, plan=plan, dtype=torch.bfloat16)
+    (message,) = [str(w.message) for w in said if "narrower" in str(w.message)]
+    assert all(repr(n) in message for n in norms)
+    for name in norms:  # kept fp32: the saved bf16 values, widened
+        assert loaded.get_parameter(name).dtype == fp32
+        assert torch.equal(loaded.get_parameter(name), model.get_parameter(name).float())
+    assert loaded.model.layers[0].mlp.up_proj.weight.dtype == bf16
+
+
 def test_trainer_bf16_full_eval_moving_the_model_is_said(tmp_path: Path) -> None:
     """0.2: evaluate() ran model.to(bf16) and training went on in bf16, without a word."""
     model, _ = annotated("llama")
