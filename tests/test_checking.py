@@ -15,8 +15,8 @@ def model() -> nn.Sequential:
 
 def test_bad_arguments_name_the_argument_and_the_valid_values() -> None:
     with pytest.raises(ValueError, match=r"backend must be None or one of \['local', "
-                                         r"'deepspeed', 'fsdp', 'fsdp1', 'ddp', 'lightning'\]. "
-                                         r"Received: backend='horovod'"):
+                                         r"'deepspeed', 'fsdp', 'fsdp1', 'ddp', 'lightning', "
+                                         r"'checkpoint'\]. Received: backend='horovod'"):
         check(model(), "horovod")
     with pytest.raises(ValueError, match=r"backend='local' has unknown key 'stage'; valid: "
                                          r"\['grad_scaler', 'optimizer', 'fp8'\]"):

@@ -5,13 +5,29 @@ same load written by hand (each tensor cast to its planned dtype)."""
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from precision_annot import apply, bf16, fp32, precision
+from precision_annot import (
+    Finding,
+    PrecisionPlan,
+    applied_plan,
+    apply,
+    bf16,
+    check,
+    fp32,
+    precision,
+)
+from precision_annot.adapters.dcp import LoadPlanner
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 PLANNED = {"up.weight": bf16, "up.bias": bf16, "norm.weight": fp32, "norm.bias": fp32,
            "router.weight": fp32, "router.bias": fp32, "down.weight": bf16, "down.bias": bf16}
@@ -111,3 +127,150 @@ def test_a_load_into_a_submodule_prefix_and_a_wrapper_is_read_with_its_prefix() 
     with pytest.warns(UserWarning, match=r"'0.norm.weight'"):
         outer.load_state_dict({f"0.{k}": v for k, v in saved(bf16).items()})
     assert outer[0].norm.weight.dtype == fp32
+
+
+# -- check(..., "checkpoint"): what a load would do, read before loading ------------------------
+
+def masters_plan() -> tuple[nn.Module, PrecisionPlan]:
+    """bf16 weights with fp32 masters, an fp32 norm and an fp32 router: applied."""
+    model = apply(Net(), default="bf16-master")
+    plan = applied_plan(model)
+    assert plan is not None
+    return model, plan
+
+
+def app_state(model: nn.Module, masters: torch.dtype | None) -> dict[str, Any]:
+    """What a training checkpoint holds, the DCP way: the model's state dict, and, with
+    `masters`, the optimizer's state by parameter name with each master copy (the layout an
+    optimizer state dict has under DCP: state.<name>.<state>) in that dtype."""
+    out: dict[str, Any] = {"model": model.state_dict()}
+    if masters is not None:
+        out["optim"] = {"state": {n: {"master": p.detach().to(masters), "step": torch.tensor(1.0)}
+                                  for n, p in model.named_parameters()
+                                  if p.dtype == bf16}}
+    return out
+
+
+def codes(found: list[Finding]) -> list[tuple[str, str, str]]:
+    """(severity, code, the first tensor it names: the quoted name after the path)."""
+    return [(f.severity, f.code, re.findall(r"'([^']*)'", f.message)[1]) for f in found]
+
+
+def test_a_checkpoint_of_the_plan_itself_is_clean_in_every_format(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model, plan = masters_plan()
+    state = app_state(model, fp32)
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    torch.save(state, tmp_path / "ckpt.pt")
+    torch.save({"state_dict": model.state_dict(), "epoch": 3}, tmp_path / "lightning.ckpt")
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    for path in ("dcp", "ckpt.pt"):
+        assert check(plan, "checkpoint", {"path": tmp_path / path}) == []
+    # the model's weights alone: clean but for the masters it does not hold
+    for path in ("lightning.ckpt", "model.safetensors"):
+        found = check(plan, "checkpoint", {"path": str(tmp_path / path)})
+        assert [(f.severity, f.code) for f in found] == [("warning", "checkpoint-no-masters")]
+        assert found[0].modules == ("up", "down")
+
+
+def test_a_bf16_checkpoint_names_every_narrowed_tensor_as_the_load_rounds_it(
+        tmp_path: Path) -> None:
+    """Every tensor saved in bf16, the masters too: the 4 island tensors and the 4 masters
+    are errors, each named; loading it gives what the errors say (the islands come back with
+    bf16's rounding, and the load's own warning names the same 4 tensors)."""
+    model, plan = masters_plan()
+    with torch.no_grad():
+        model.norm.weight.add_(torch.randn(16) * 0.1)
+    state = app_state(model, bf16)
+    state["model"] = {k: v.to(bf16) for k, v in state["model"].items()}
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    found = check(plan, "checkpoint", {"path": tmp_path})
+    narrowed = sorted(name for severity, code, name in codes(found)
+                      if (severity, code) == ("error", "checkpoint-narrowed"))
+    assert narrowed == sorted([*ISLANDS, "up.weight (its master)", "up.bias (its master)",
+                               "down.weight (its master)", "down.bias (its master)"])
+    assert {f.severity for f in found} == {"error"}
+    # what the load does: the islands widened with bf16's rounding, named again
+    fresh, _ = masters_plan()
+    with pytest.warns(UserWarning, match="narrower") as said:
+        dcp.load({"model": fresh.state_dict()}, checkpoint_id=str(tmp_path),
+                 planner=LoadPlanner())
+    message = next(str(w.message) for w in said if "narrower" in str(w.message))
+    assert all(repr(f"model.{n}") in message for n in ISLANDS)
+    assert torch.equal(fresh.norm.weight, model.norm.weight.to(bf16).float())
+
+
+def test_missing_unexpected_and_reshaped_tensors_are_what_load_state_dict_refuses(
+        tmp_path: Path) -> None:
+    model, plan = masters_plan()
+    state = dict(model.state_dict())
+    del state["router.bias"]
+    state["extra.weight"] = torch.zeros(3)
+    state["down.weight"] = torch.zeros(8, 17, dtype=bf16)
+    torch.save(state, tmp_path / "other.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "other.pt"})
+    assert sorted(codes(found)) == [
+        ("error", "checkpoint-shape", "down.weight"),
+        ("warning", "checkpoint-missing", "router.bias"),
+        ("warning", "checkpoint-no-masters", "up.weight"),
+        ("warning", "checkpoint-unexpected", "extra.weight")]
+    fresh, _ = masters_plan()
+    with pytest.raises(RuntimeError) as refused:
+        fresh.load_state_dict(state)
+    for said in ("Missing key(s) in state_dict: \"router.bias\"",
+                 "Unexpected key(s) in state_dict: \"extra.weight\"",
+                 "size mismatch for down.weight"):
+        assert said in str(refused.value)
+
+
+def test_a_checkpoint_is_read_without_its_tensor_data(tmp_path: Path) -> None:
+    """The data is made unreadable (DCP's data files deleted, a safetensors file cut after its
+    header, a torch.save file's data records cut out): the dtypes are still read."""
+    import json
+    import struct
+    import zipfile
+
+    from safetensors.torch import save_file
+
+    model, plan = masters_plan()
+    bf16_state = {k: v.to(bf16) for k, v in model.state_dict().items()}
+    dcp.save(bf16_state, checkpoint_id=str(tmp_path / "dcp"))
+    for data in (tmp_path / "dcp").glob("*.distcp"):
+        data.unlink()
+    shards = {"model-1.safetensors": ["up.weight", "up.bias", "norm.weight", "norm.bias"],
+              "model-2.safetensors": ["router.weight", "router.bias", "down.weight",
+                                      "down.bias"]}
+    (tmp_path / "hf").mkdir()
+    for shard, keys in shards.items():
+        save_file({k: bf16_state[k] for k in keys}, str(tmp_path / "hf" / shard))
+        raw = (tmp_path / "hf" / shard).read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        (tmp_path / "hf" / shard).write_bytes(raw[:8 + length])  # the header alone
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}))
+    torch.save(bf16_state, tmp_path / "full.pt")
+    with zipfile.ZipFile(tmp_path / "full.pt") as full, \
+            zipfile.ZipFile(tmp_path / "cut.pt", "w") as cut:
+        for item in full.infolist():
+            if "/data/" not in item.filename:
+                cut.writestr(item, full.read(item))
+    for path in ("dcp", "hf", "hf/model.safetensors.index.json", "cut.pt"):
+        found = check(plan, "checkpoint", {"path": tmp_path / path})
+        assert sorted(n for s, c, n in codes(found) if c == "checkpoint-narrowed") == sorted(
+            ISLANDS), path
+    with pytest.raises(Exception):  # noqa: B017  # the data itself is gone
+        torch.load(tmp_path / "cut.pt")
+
+
+def test_bad_checkpoint_configs_name_what_is_valid(tmp_path: Path) -> None:
+    _, plan = masters_plan()
+    with pytest.raises(ValueError, match=r"needs config=\{'path': \.\.\.\}"):
+        check(plan, "checkpoint")
+    with pytest.raises(ValueError, match=r"unknown key 'file'; valid: \['path'\]"):
+        check(plan, "checkpoint", {"file": "x"})
+    with pytest.raises(ValueError, match="no file or directory at"):
+        check(plan, "checkpoint", {"path": tmp_path / "gone"})
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="zip-format torch.save file"):
+        check(plan, "checkpoint", {"path": tmp_path / "notes.txt"})

@@ -52,6 +52,7 @@ REGISTRY: dict[str, str] = {
     "fsdp1": "precision_annot.adapters.fsdp.checks:FSDP1_CHECKS",
     "ddp": "precision_annot.adapters.ddp:CHECKS",
     "lightning": "precision_annot.adapters.lightning.checks:CHECKS",
+    "checkpoint": "precision_annot._src.checkpoints.checks:CHECKS",
 }
 BACKENDS: tuple[str, ...] = tuple(REGISTRY)
 

@@ -64,8 +64,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             resolved here; wrappers are seen through, and a `DistributedDataParallel` model's
             comm hook is checked under backend="ddp") or a `PrecisionPlan` (resolve it with
             the defaults you will train with, e.g. `resolve(model, "bf16-mixed")`).
-        backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning";
-            None checks only what holds for every backend. (Default: None)
+        backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning",
+            or "checkpoint" (what loading a checkpoint would do to the plan); None checks only
+            what holds for every backend. (Default: None)
         config: what the backend will be given. DeepSpeed: the config it will get, as it is (a
             dict, or a JSON or hjson file; None: what `to_config(plan)` exports), with
             `prepare(model)` called before `initialize`.
@@ -77,7 +78,9 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             (FSDP2, with a model) and `merge_below` as
             `fully_shard` takes them, the cost model's `latency_s` and `bandwidth`, and for
             FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. Local, DDP and FSDP:
-            `grad_scaler=True` when the training loop scales the loss. (Default: None)
+            `grad_scaler=True` when the training loop scales the loss. Checkpoint: `path`, a
+            DCP directory, safetensors files (or their index) or a `torch.save` file, read
+            without its tensor data. (Default: None)
 
     Returns:
         The findings, errors first, then warnings, then infos. Each has a severity, a stable

@@ -143,6 +143,14 @@ class _StandIn(dict):  # type: ignore[type-arg]
         pass
 
 
+class _Dict(dict):  # type: ignore[type-arg]
+    """An `OrderedDict` (a state dict): its items; the attributes pickled beside them
+    (`_metadata`) are dropped."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
 def _stand_in(*args: Any, **kwargs: Any) -> _StandIn:
     return _StandIn()
 
@@ -176,7 +184,7 @@ class _Records(pickle.Unpickler):
         if module == "torch._utils" and name in _TENSOR_BUILDERS:
             return _TENSOR_BUILDERS[name]
         if module == "collections" and name == "OrderedDict":
-            return dict
+            return _Dict
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if module == "torch" and name.endswith("Storage"):
