@@ -135,7 +135,8 @@ class Policy:
         strings: "32-true", "16-true", "bf16-true", "64-true", and "16-mixed" and
         "bf16-mixed", which keep storage and comm in fp32 and compute in the low dtype; and
         "bf16-master", DeepSpeed's bf16 layout: bf16 parameters and compute, fp32 master
-        weights and fp32 gradient accumulation ("bf16-true,master=fp32,grad=fp32").
+        weights and fp32 gradient accumulation ("bf16-true,master=fp32,grad=fp32"), which is
+        DeepSpeed's `bf16_master_weights_and_grads: false` (its `true` keeps bf16 masters).
         """
         if not isinstance(text, str):
             raise TypeError(

@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_annot._src import float8
 from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
+from precision_annot._src.checkpoints.loading import narrowed, warn_narrowed
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Key, Kind, Site, compile_plan
 from precision_annot._src.guards import paused_gc, require_module, require_plan, warn
@@ -71,16 +72,32 @@ class AppliedState:
             "precision_annot.apply(model, plan) again to restore the plan (or "
             "precision_annot.remove(model) first to run without it).")
 
-    def check_loaded(self, model: nn.Module, incompatible: Any) -> None:
-        """`load_state_dict` post hook: `assign=True` may have put tensors of other dtypes."""
+    def before_load(self, model: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                    *args: Any) -> None:
+        """`load_state_dict` pre hook: name the tensors the checkpoint holds narrower than the
+        plan keeps them (their precision is gone before the load)."""
+        planned = {f"{prefix}{name}.{tname}" if name else f"{prefix}{tname}": target.dtype
+                   for (name, _, tname), target in self.execution.targets.items()
+                   if target.persistent}
+        warn_narrowed("load_state_dict", narrowed(planned, (
+            (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor))),
+            stacklevel=3)
+
+    def after_load(self, model: nn.Module, incompatible: Any) -> None:
+        """`load_state_dict` post hook: `assign=True` puts the checkpoint's own tensors in the
+        model, in the checkpoint's dtypes; each goes back to its planned dtype (the same
+        parameter object, its data cast), and the step guard learns the new parameters."""
         named = dict(model.named_modules())
+        moved = False
         for (name, kind, tname), target in self.execution.targets.items():
             module = named.get(name)
             tensor = None if module is None else get_tensor(module, kind, tname)
-            if tensor is not None and tensor.dtype != target.dtype:
-                self.warn_drift(f"{name}.{tname}" if name else tname, target.dtype,
-                                tensor.dtype, "load_state_dict")
-                return
+            if module is not None and tensor is not None and tensor.dtype != target.dtype:
+                state = ModuleState.of(module) or ModuleState(module, name)
+                state.cast(kind, tname, tensor.detach().to(target.dtype))
+                moved = True
+        if moved:
+            _STEPS.note([], _planned_updates(self.plan, named))
 
 
 class ReprSuffix:
@@ -485,10 +502,7 @@ def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
     originals: dict[Key, torch.dtype] = {}
     for name, module in model.named_modules():
         state: AppliedState | None = module.__dict__.pop(_STATE_ATTR, None)
-        hooks = module._load_state_dict_post_hooks
-        for key in [k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None),
-                                                                 AppliedState)]:
-            del hooks[key]
+        _drop_load_hooks(module)
         if state is None:
             continue
         prefix = f"{name}." if name else ""
@@ -496,6 +510,17 @@ def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
             full = f"{prefix}{mname}" if mname else name
             originals.setdefault((full, kind, tname), dtype)
     return originals
+
+
+def _drop_load_hooks(module: nn.Module) -> None:
+    """Take off the load hooks an `AppliedState` registered on `module`.
+
+    NOTE: the hooks are found in the module's own hook dicts (torch gives a handle, not a
+    lookup), the pre-hooks wrapped in torch's `_WrappedHook`."""
+    for hooks in (module._load_state_dict_post_hooks, module._load_state_dict_pre_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(
+                getattr(getattr(h, "hook", h), "__self__", None), AppliedState)]:
+            del hooks[key]
 
 
 def apply(
@@ -519,9 +544,11 @@ def apply(
     optimizer that already holds state for them keeps that state in the old dtype.
 
     `apply` is idempotent and atomic: when the plan is already real nothing changes, and on
-    any error the model is left as it was. Call it again after `model.half()`,
-    `model.to(dtype)` or `load_state_dict(assign=True)` (a warning says when one of them
-    moved tensors off the plan) to restore the plan. `remove` undoes it.
+    any error the model is left as it was. Call it again after `model.half()` or
+    `model.to(dtype)` (a warning says when one of them moved tensors off the plan) to restore
+    the plan; loading a checkpoint keeps it (`load_state_dict`, `assign=True` included, puts
+    each tensor back in its planned dtype, and warns, naming them, about tensors the
+    checkpoint holds narrower than the plan keeps). `remove` undoes it.
 
     Args:
         model: the module tree (a wrapper such as `torch.compile`'s is seen through).
@@ -604,7 +631,8 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
         states[name].convert(gemm)
     state = AppliedState(plan, execution, originals, resolved=resolved)
     _install(states, execution, state)
-    root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
+    root.register_load_state_dict_pre_hook(state.before_load)  # type: ignore[no-untyped-call]
+    root.register_load_state_dict_post_hook(state.after_load)  # type: ignore[no-untyped-call]
     object.__setattr__(root, _STATE_ATTR, state)
 
 

@@ -5,5 +5,6 @@
   (FSDP1).
 - `precision_annot.adapters.ddp`: `comm_hook`.
 - `precision_annot.adapters.tp`: `parallelize_module` (tensor parallel).
+- `precision_annot.adapters.dcp`: `LoadPlanner` (torch.distributed.checkpoint).
 - `precision_annot.adapters.lightning`: `AnnotatedPrecision`, `FabricAnnotatedPrecision`.
 """

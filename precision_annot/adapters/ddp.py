@@ -18,13 +18,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
+from precision_annot._src.check_backend import LOOP_KEYS, CheckBackend, Checked
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.findings import Finding, drift, listing
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.runtime import Subject
 
-__all__ = ["Bucket", "buckets", "comm_hook", "findings", "hook_name", "hooked_modules", "reduced",
-           "registered_hooks"]
+__all__ = ["CHECKS", "Bucket", "DDPChecks", "buckets", "comm_hook", "findings", "hook_name",
+           "hooked_modules", "reduced", "registered_hooks"]
 
 #: DDP's defaults: `bucket_cap_mb`, and the smaller first bucket it rebuilds after one step.
 BUCKET_CAP_MB = 25
@@ -271,3 +273,20 @@ def _mixed_buckets(plan: PrecisionPlan, bucket_cap_mb: float | None) -> list[Fin
         "the model's), or accept the extra all-reduces.",
         tuple(names),
     )]
+
+
+class DDPChecks(CheckBackend):
+    """`check(..., "ddp")`: a `DistributedDataParallel` model's comm hook (or the plan's, when
+    given a plan or an unwrapped model), and its buckets."""
+
+    name = "ddp"
+    keys = ("bucket_cap_mb", *LOOP_KEYS)
+
+    def run(self, given: Subject, options: Any) -> Checked:
+        wrapped = given.wrapped
+        ddp_model = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
+        return Checked(findings(given.plan, ddp_model, **self.without_loop(options)),
+                       reduced(given.plan, ddp_model)[0])
+
+
+CHECKS = DDPChecks()

@@ -259,20 +259,66 @@ def test_entries_for_parts_a_configuration_does_not_build_give_no_rule() -> None
     annotate(model, hf.rules(model))  # strict: would raise on a rule that matches nothing
 
 
-def test_kept_tensors_beside_submodules_are_named_in_a_warning(tmp_path: Path) -> None:
+def test_kept_tensors_beside_submodules_keep_their_module_and_its_layers_as_loaded(
+        tmp_path: Path) -> None:
     """RWKV keeps `time_decay` and `time_first` in fp32 for fp16; they sit on the attention
-    module beside its key, value and receptance layers, which a module plan cannot split."""
+    module beside its key, value and receptance layers. 0.4 left them in fp16 (with a warning);
+    the attention module is now stored in fp32 and its layers as transformers stores them."""
     model = rwkv()
-    with pytest.warns(UserWarning, match=r"4 tensor\(s\).*'rwkv\.blocks\.0\.attention\."
-                      r"time_decay'.*annotate\(model, \{'rwkv\.blocks\.\*\.attention': "
-                      r"'fp32'\}\)"):
-        assert hf.rules(model, dtype="fp16") == []
     native = natively_fp32(model, fp16, tmp_path)
     assert {n.rpartition(".")[2] for n in native} == {"time_decay", "time_first"}
-    annotate(model, {"rwkv.blocks.*.attention": "fp32"})  # the warning's fix
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the dtype is given: nothing is widened to say
+        selected = hf.rules(model, dtype="fp16")
+    annotate(model, selected)
     apply(model, default="fp16")
-    assert native <= fp32_tensors(model)
+    ours = fp32_tensors(model)
+    assert native <= ours
+    holders = {parent_name(t) for t in native}
+    assert {parent_name(t) for t in ours - native} <= holders  # the holders' own tensors only
+    assert model.rwkv.blocks[0].attention.key.weight.dtype == fp16
     assert model.rwkv.blocks[0].feed_forward.key.weight.dtype == fp16
+    with pytest.warns(UserWarning, match=r"4 tensor\(s\).*'rwkv\.blocks\.0\.attention\."
+                      r"time_decay'.*2 module\(s\) \(rwkv\.blocks\.\*\.attention\) are stored in "
+                      r"fp32 with their submodules.*rules\(model, dtype='bf16'\)"):
+        hf.rules(rwkv())  # the dtype not given: the layers are widened too, and said
+
+
+def hy_v3() -> nn.Module:
+    """Two layers, the second a mixture whose block holds the router's
+    `e_score_correction_bias` beside its experts (in the class's strict list)."""
+    cfg = transformers.HYV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        max_position_embeddings=64)
+    return transformers.HYV3ForCausalLM(cfg)
+
+
+def test_a_strict_router_bias_beside_experts_survives_save_and_load(tmp_path: Path) -> None:
+    """HY-V3 keeps its routers' `e_score_correction_bias` in fp32 (strict: bf16 too); it sits
+    on the mixture block beside the experts. Through the plan it stays fp32, the experts stay
+    bf16, and save_pretrained / from_pretrained bring the bias back bit for bit."""
+    torch.manual_seed(0)
+    model = hy_v3()
+    block = model.model.layers[1].mlp
+    with torch.no_grad():
+        block.e_score_correction_bias.uniform_(-1e-3, 1e-3)  # values bf16 cannot hold
+    native = natively_fp32(model, bf16, tmp_path / "native")
+    assert "model.layers.1.mlp.e_score_correction_bias" in native
+    annotate(model, hf.rules(model, dtype="bf16"))
+    plan = resolve(model, default="bf16")
+    apply(model, plan)
+    assert native <= fp32_tensors(model)
+    assert block.experts.gate_up_proj.dtype == bf16  # not widened with the block
+    assert block.shared_experts.up_proj.weight.dtype == bf16
+    hf.save_pretrained(model, tmp_path / "planned")
+    back = hf.from_pretrained(type(model), tmp_path / "planned", dtype=bf16)
+    loaded = back.model.layers[1].mlp
+    assert torch.equal(loaded.e_score_correction_bias, block.e_score_correction_bias)
+    assert loaded.experts.gate_up_proj.dtype == bf16
+    ids = torch.randint(0, VOCAB, (2, 8))
+    back(input_ids=ids, labels=ids).loss.backward()  # it runs as planned
 
 
 def test_units_are_the_no_split_blocks() -> None:
@@ -504,6 +550,27 @@ def test_a_tensor_that_cannot_be_read_back_is_named(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"1 tensor\(s\).*could not be read back.*"
                                          r"'transformer.ln_f.weight'"):
         hf.from_pretrained(type(model), tmp_path, dtype=torch.bfloat16)
+
+
+def test_from_pretrained_of_a_bf16_checkpoint_names_the_islands_it_rounded(
+        tmp_path: Path) -> None:
+    """A checkpoint written all in bf16 (model.save_pretrained of a bf16 model, as most hub
+    checkpoints are) holds the fp32 islands rounded: from_pretrained keeps them fp32 and now
+    says which lost their low bits before the load (0.4 widened them silently)."""
+    model, _ = annotated("llama")
+    randomize_norms(model)
+    plan = resolve(model, default="bf16")
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    norms = [n for n, p in model.named_parameters() if "norm" in n]
+    with pytest.warns(UserWarning, match=rf"from_pretrained: the checkpoint holds {len(norms)} "
+                                         r"tensor\(s\) narrower than the plan keeps them") as said:
+        loaded = hf.from_pretrained(type(model), tmp_path, plan=plan, dtype=torch.bfloat16)
+    (message,) = [str(w.message) for w in said if "narrower" in str(w.message)]
+    assert all(repr(n) in message for n in norms)
+    for name in norms:  # kept fp32: the saved bf16 values, widened
+        assert loaded.get_parameter(name).dtype == fp32
+        assert torch.equal(loaded.get_parameter(name), model.get_parameter(name).float())
+    assert loaded.model.layers[0].mlp.up_proj.weight.dtype == bf16
 
 
 def test_trainer_bf16_full_eval_moving_the_model_is_said(tmp_path: Path) -> None:

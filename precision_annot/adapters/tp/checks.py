@@ -11,12 +11,14 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from precision_annot._src.check_backend import LOOP_KEYS, CheckBackend, Checked
 from precision_annot._src.findings import Finding, listing
 from precision_annot._src.float8 import MX_BLOCK
 from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.runtime import Subject
 from precision_annot.adapters.tp.choice import Decision, decide, match
 
-__all__ = ["CONFIG_KEYS", "findings"]
+__all__ = ["CHECKS", "CONFIG_KEYS", "TPChecks", "findings"]
 
 #: the keys `check(model, "tp", config)` reads
 CONFIG_KEYS = ("parallelize_plan", "tp_degree")
@@ -139,3 +141,16 @@ def _shards(plan: PrecisionPlan, named: Mapping[str, nn.Module], chosen: list[De
         f"Use a TP degree that leaves each shard a multiple of {MX_BLOCK if mx else FP8_MULTIPLE}, "
         f"or keep {name!r} out of fp8 (annotate(model, {{{name!r}: 'compute=bf16'}})).",
         tuple(b[0] for b in bad))
+
+
+class TPChecks(CheckBackend):
+    """`check(model, "tp", {"parallelize_plan": ..., "tp_degree": N})`."""
+
+    name = "tp"
+    keys = (*CONFIG_KEYS, *LOOP_KEYS)
+
+    def run(self, given: Subject, options: Any) -> Checked:
+        return Checked(findings(given.plan, given.model, self.without_loop(options)))
+
+
+CHECKS = TPChecks()
