@@ -178,6 +178,48 @@ def loss_of_net(net: nn.Module, tokens: torch.Tensor, use: bool) -> torch.Tensor
     return nn.functional.cross_entropy(net(tokens, use_extra=use).float(), tokens)
 
 
+def _fsdp2(case: str, rank: int) -> dict[str, Any]:
+    """FSDP2 through `adapters.fsdp.fully_shard`: with master=fp32 the shards are fp32 (the
+    masters), so each micro-batch's gradient, reduce-scattered in bf16 (comm), is accumulated
+    into the fp32 gradient shard. The hand loop does the same on a whole replica: each
+    micro-batch's bf16 gradient averaged across ranks in bf16, then added into fp32 sums."""
+    from torch.distributed.tensor import DTensor
+
+    from precision_annot.adapters import fsdp
+
+    model = fsdp.fully_shard(pa.apply(mlp(), default=SPEC))
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    hand = HandLoop(pa.apply(mlp(), default="bf16-true"))
+    world = dist.get_world_size()
+    kinds = set()
+    for step in range(3):
+        model.zero_grad()
+        for m in range(3):
+            tokens = batch(10 * step + m, rank)
+            loss_of(model, tokens).backward()
+            for p in hand.params:
+                p.grad = None
+            loss_of(hand.model, tokens).backward()
+            for i, p in enumerate(hand.params):
+                assert p.grad is not None
+                wire = p.grad.div(world)
+                dist.all_reduce(wire)
+                total = hand.sums[i]
+                hand.sums[i] = wire.float() if total is None else total + wire.float()
+        kinds |= {f"{type(p.grad).__name__} {p.grad.dtype}" for p in model.parameters()}
+        opt.step()
+        hand.step()
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    weights = max(float((whole(p.detach()).bfloat16().float() - q.detach().float()).abs().max())
+                  for p, q in zip(model.parameters(), hand.params, strict=True))
+    masters = max(float((whole(p.detach()) - m).abs().max())
+                  for p, m in zip(model.parameters(), hand.masters, strict=True))
+    return {"weights": weights, "masters": masters, "grads": sorted(kinds)}
+
+
 def _misconfigured(case: str, rank: int) -> dict[str, Any]:
     """comm=fp32 over bf16 storage, no comm hook: DDP would reduce the rounding in bf16."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -208,8 +250,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     for case in cases:
-        run: Callable[[str, int], dict[str, Any]] = (
-            _misconfigured if case == "misconfigured" else _ddp_loop)
+        run: Callable[[str, int], dict[str, Any]] = {
+            "misconfigured": _misconfigured, "fsdp2": _fsdp2}.get(case, _ddp_loop)
         (outdir / f"{case}-rank{rank}.json").write_text(json.dumps(run(case, rank)))
     leave()
 
