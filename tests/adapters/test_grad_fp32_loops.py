@@ -63,8 +63,8 @@ def test_ddp_every_step_synchronised_hooked_fp32_comm_and_unused_parameters(
         tmp_path: Path) -> None:
     """Without `no_sync`; with the plan's comm hook (bf16 comm, and fp32 comm, where the hook
     reduces the fp32 sums themselves); with `find_unused_parameters=True` and a Linear that
-    rank 0 uses only before the synchronising micro-batch and rank 1 only in it, and one that
-    no rank uses (its `.grad` stays None)."""
+    rank 0 uses only before the synchronising micro-batch and rank 1 only in it, one that both
+    use only before it, and one that no rank uses (its `.grad` stays None)."""
     found = ddp_cases(["sync", "no_sync_hook", "fp32_comm_hook", "find_unused"], tmp_path)
     for case, ranks in found.items():
         assert_equals_the_hand_loop(ranks)

@@ -116,19 +116,24 @@ def worst(model: nn.Module, hand: HandLoop, opt: Any) -> dict[str, float]:
 # -- 2 ranks under DDP -------------------------------------------------------------------------
 
 class Net(nn.Module):
-    """The test MLP, and for find_unused_parameters a Linear some micro-batches use and one
-    that none does."""
+    """The test MLP, and for find_unused_parameters: a Linear rank 0 uses before the
+    synchronising micro-batch and rank 1 in it, one that both use only before it, and one
+    that none uses."""
 
     def __init__(self, seed: int, extra: bool) -> None:
         super().__init__()
         self.body = mlp(seed)
         self.extra = nn.Linear(64, 64) if extra else None
+        self.early = nn.Linear(64, 64) if extra else None
         self.dead = nn.Linear(4, 4) if extra else None
 
-    def forward(self, tokens: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, use_extra: bool = False, last: bool = True
+                ) -> torch.Tensor:
         out: torch.Tensor = self.body(tokens)
         if use_extra and self.extra is not None:
             out = out + self.extra(out) * 0.5
+        if not last and self.early is not None:
+            out = out + self.early(out) * 0.5
         return out
 
 
@@ -160,11 +165,11 @@ def _ddp_loop(case: str, rank: int) -> dict[str, Any]:
             # find_unused: rank 0 uses `extra` before the synchronising micro-batch, rank 1 in it
             use = unused and ((rank == 0) != last)
             if last:
-                loss_of_net(wrapped, tokens, use).backward()
+                loss_of_net(wrapped, tokens, use, last).backward()
             else:
                 with wrapped.no_sync():
-                    loss_of_net(wrapped, tokens, use).backward()
-            hand.backward(loss_of_net(hand_model, tokens, use))
+                    loss_of_net(wrapped, tokens, use, last).backward()
+            hand.backward(loss_of_net(hand_model, tokens, use, last))
         dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
@@ -174,8 +179,8 @@ def _ddp_loop(case: str, rank: int) -> dict[str, Any]:
             "dead": None if model.dead is None else model.dead.weight.grad is None}
 
 
-def loss_of_net(net: nn.Module, tokens: torch.Tensor, use: bool) -> torch.Tensor:
-    return nn.functional.cross_entropy(net(tokens, use_extra=use).float(), tokens)
+def loss_of_net(net: nn.Module, tokens: torch.Tensor, use: bool, last: bool) -> torch.Tensor:
+    return nn.functional.cross_entropy(net(tokens, use_extra=use, last=last).float(), tokens)
 
 
 def _fsdp2(case: str, rank: int) -> dict[str, Any]:
