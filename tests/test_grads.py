@@ -143,3 +143,31 @@ def test_the_memory_figure_counts_grad_as_fp32_without_a_second_copy() -> None:
     rows = {r.name: r for r in plan.memory("adamw").modules}
     weight = mlp()[1].weight.numel() + mlp()[1].bias.numel()
     assert rows["1"].grad_bytes == 4 * weight  # fp32 .grad, no bf16 one beside it
+
+
+@pytest.mark.slow  # 15 s: a compile
+def test_compile_fullgraph_traces_no_break_for_the_ddp_watch() -> None:
+    model = pa.apply(mlp(), default=SPEC)
+    compiled = torch.compile(model, fullgraph=True)
+    loss_of(compiled, batch(0)).backward()
+    assert {p.grad.dtype for p in model.parameters()} == {fp32}  # type: ignore[union-attr]
+
+
+def test_checkpointing_and_a_weight_used_twice() -> None:
+    """Activation checkpointing gives the same fp32 gradients as without; a weight used twice
+    in one backward has its two contributions summed in fp32 (a bf16 .grad would round the
+    sum)."""
+    plain, checkpointed = pa.apply(mlp(), default=SPEC), pa.apply(mlp(), default=SPEC)
+    loss_of(plain, batch(1)).backward()
+    tokens = batch(1)
+    out = torch.utils.checkpoint.checkpoint(checkpointed, tokens, use_reentrant=False)
+    nn.functional.cross_entropy(out.float(), tokens).backward()
+    for p, q in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+    twice = pa.apply(nn.Linear(1, 1, bias=False), default=SPEC)
+    with torch.no_grad():
+        twice.weight.fill_(1.0)
+    x = torch.tensor([[1.0], [2.0 ** -9]], dtype=bf16)
+    (twice(x[:1]) + twice(x[1:])).float().sum().backward()
+    assert twice.weight.grad is not None and twice.weight.grad.item() == 1.0 + 2.0 ** -9

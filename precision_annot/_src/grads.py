@@ -36,11 +36,12 @@ come.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_annot._src.boundary import get_tensor
@@ -159,10 +160,17 @@ def _active_ddp() -> Any:
     """The DistributedDataParallel module whose forward is running, or None.
 
     NOTE: DDP's private class attribute, which its forward sets around the wrapped module's
-    call (`_inside_ddp_forward`, for Dynamo); DDP's Python-reducer mode does not set it."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    call (`_inside_ddp_forward`, for Dynamo, which runs that part eagerly); DDP's
+    Python-reducer mode does not set it."""
     return getattr(DistributedDataParallel, "_active_ddp_module", None)
+
+
+def _arm(wide: WideGrads) -> None:
+    wide._arm()
+
+
+#: `WideGrads._arm`, run eagerly from a compiled forward (a graph break, taken only under DDP)
+_outside_the_graph: Callable[[WideGrads], None] = torch.compiler.disable(_arm)  # type: ignore[no-untyped-call]
 
 
 def _ddp_parameters(ddp: Any) -> list[torch.Tensor]:
@@ -260,15 +268,21 @@ class WideGrads:
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """After each forward: arm the next backward when DDP will synchronise in it."""
         if torch.compiler.is_compiling():
+            # compiled under DDP (either way round): armed outside the graph; compiled alone,
+            # nothing to do and nothing traced (fullgraph holds)
+            if DistributedDataParallel._active_ddp_module is not None:
+                _outside_the_graph(self)
             return
-        if self._armed:
-            self._settle()  # a synchronising forward whose backward never came
+        self._arm()
+
+    def _arm(self) -> None:
         ddp = _active_ddp()
         if ddp is None or not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
-            return
+            return  # armed parameters stay armed: DDP's reducer, too, waits for a backward
         managed = self._ddps.get(ddp)
         if managed is None:
             managed = self._ddps[ddp] = self._adopt(ddp)
+        self._settle()  # a synchronising forward whose backward never came: armed again
         early = bool(getattr(ddp, "find_unused_parameters", False))
         for wide in managed:
             entry = Pending(self, wide.dtype)

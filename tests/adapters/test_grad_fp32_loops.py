@@ -58,14 +58,20 @@ def test_fsdp2_refuses_grad_fp32_without_a_master_before_sharding() -> None:
         (torch.bfloat16, torch.float32)}  # untouched
 
 
-@pytest.mark.slow  # 10 s: 4 more DDP loops on 2 ranks
-def test_ddp_every_step_synchronised_hooked_fp32_comm_and_unused_parameters(
-        tmp_path: Path) -> None:
+@pytest.mark.slow  # 25 s: 11 more DDP loops on 2 ranks
+def test_ddp_in_every_arrangement_equals_the_hand_loop(tmp_path: Path) -> None:
     """Without `no_sync`; with the plan's comm hook (bf16 comm, and fp32 comm, where the hook
     reduces the fp32 sums themselves); with `find_unused_parameters=True` and a Linear that
     rank 0 uses only before the synchronising micro-batch and rank 1 only in it, one that both
-    use only before it, and one that no rank uses (its `.grad` stays None)."""
-    found = ddp_cases(["sync", "no_sync_hook", "fp32_comm_hook", "find_unused"], tmp_path)
+    use only before it, and one that no rank uses (its `.grad` stays None);
+    `gradient_as_bucket_view`, many small buckets, `static_graph`; `model.zero_grad()` between
+    the forward and the backward; a stray forward under grad mode without a backward (DDP then
+    reduces in the next backward, `no_sync` or not, and so does the hand loop); and
+    torch.compile outside and inside DDP (against the hand loop compiled)."""
+    cases = ["sync", "no_sync_hook", "fp32_comm_hook", "find_unused", "bucket_view",
+             "small_buckets", "static_graph", "zero_late", "stray_forward", "compiled_outside",
+             "compiled_inside"]
+    found = ddp_cases(cases, tmp_path)
     for case, ranks in found.items():
         assert_equals_the_hand_loop(ranks)
         assert all(r["dead"] is (True if case == "find_unused" else None) for r in ranks)

@@ -12,11 +12,12 @@ writes OUTDIR/CASE-rank{N}.json with the largest difference between the two and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -137,39 +138,68 @@ class Net(nn.Module):
         return out
 
 
-def _ddp_loop(case: str, rank: int) -> dict[str, Any]:
+class Case(NamedTuple):
+    """One DDP loop: the plan, micro-batches per step (all but the last under `no_sync`), the
+    plan's comm hook, find_unused_parameters with the layers of `Net`, DDP's other arguments,
+    `model.zero_grad()` after the first forward instead of before it, a forward under grad
+    mode outside `no_sync` and without a backward before each micro-batch, and torch.compile
+    ("outside": torch.compile(DDP(model)), "inside": DDP(torch.compile(model)))."""
+
+    spec: str = SPEC
+    micro: int = 3
+    hooked: bool = False
+    unused: bool = False
+    ddp: dict[str, Any] = {}  # noqa: RUF012 (never mutated)
+    zero_late: bool = False
+    stray_forward: bool = False
+    compiled: str | None = None
+
+
+def _wrap(model: nn.Module, case: Case) -> tuple[nn.Module, nn.Module]:
+    """(the DDP module, what the loop calls)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from precision_annot.adapters import ddp as ddp_adapter
 
-    spec, micro, hooked, unused = CASES[case]
-    model = Net(seed=rank, extra=unused)  # DDP broadcasts rank 0's weights
-    pa.apply(model, default=spec)
-    wrapped = DDP(model, find_unused_parameters=unused)
-    if hooked:
+    inner = torch.compile(model) if case.compiled == "inside" else model
+    wrapped = DDP(inner, find_unused_parameters=case.unused, **case.ddp)
+    if case.hooked:
         wrapped.register_comm_hook(None, ddp_adapter.comm_hook(pa.applied_plan(model)))
-    hand_model = pa.apply(Net(seed=0, extra=unused), default=spec.split(",")[0])
+    return wrapped, torch.compile(wrapped) if case.compiled == "outside" else wrapped
+
+
+def _ddp_loop(name: str, rank: int) -> dict[str, Any]:
+    case = CASES[name]
+    model = pa.apply(Net(seed=rank, extra=case.unused), default=case.spec)
+    wrapped, runner = _wrap(model, case)  # DDP broadcasts rank 0's weights
+    hand_model = pa.apply(Net(seed=0, extra=case.unused), default=case.spec.split(",")[0])
     with torch.no_grad():  # the same storage, no update plan; rank 0's weights
         for p, q in zip(hand_model.parameters(), model.parameters(), strict=True):
             p.copy_(q)
     hand = HandLoop(hand_model)
+    hand_runner = torch.compile(hand_model) if case.compiled else hand_model
     opt = pa.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     plan = pa.applied_plan(model)
     assert plan is not None
     comm = plan["body.1"].policy.grad_comm or torch.bfloat16
     dtypes = set()
     for step in range(3):
-        model.zero_grad()  # the model's, as the HF Trainer calls it
-        for m in range(micro):
-            tokens, last = batch(10 * step + m, rank), m == micro - 1
+        if not case.zero_late:
+            model.zero_grad()  # the model's, as the HF Trainer calls it
+        for m in range(case.micro):
+            tokens, last = batch(10 * step + m, rank), m == case.micro - 1
             # find_unused: rank 0 uses `extra` before the synchronising micro-batch, rank 1 in it
-            use = unused and ((rank == 0) != last)
-            if last:
-                loss_of_net(wrapped, tokens, use, last).backward()
-            else:
-                with wrapped.no_sync():
-                    loss_of_net(wrapped, tokens, use, last).backward()
-            hand.backward(loss_of_net(hand_model, tokens, use, last))
+            use = case.unused and ((rank == 0) != last)
+            if case.stray_forward:  # DDP's reducer then reduces in the next backward
+                wrapped(batch(99, rank))
+            with contextlib.nullcontext() if last else wrapped.no_sync():
+                out = runner(tokens, use_extra=use, last=last)
+                if case.zero_late and m == 0:
+                    model.zero_grad()
+                nn.functional.cross_entropy(out.float(), tokens).backward()
+            hand.backward(loss_of_net(hand_runner, tokens, use, last))
+            if case.stray_forward and not last:
+                hand.reduce(comm)
         dtypes |= {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
@@ -238,13 +268,19 @@ def _misconfigured(case: str, rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
-#: case: (spec, micro-batches per step, the plan's comm hook registered, an unused parameter)
-CASES: dict[str, tuple[str, int, bool, bool]] = {
-    "sync": (SPEC, 1, False, False),
-    "no_sync": (SPEC, 3, False, False),
-    "no_sync_hook": (SPEC, 3, True, False),
-    "fp32_comm_hook": ("bf16-true,comm=fp32,master=fp32,grad=fp32", 3, True, False),
-    "find_unused": (SPEC, 3, False, True),
+CASES: dict[str, Case] = {
+    "sync": Case(micro=1),
+    "no_sync": Case(),
+    "no_sync_hook": Case(hooked=True),
+    "fp32_comm_hook": Case(spec="bf16-true,comm=fp32,master=fp32,grad=fp32", hooked=True),
+    "find_unused": Case(unused=True),
+    "bucket_view": Case(ddp={"gradient_as_bucket_view": True}),
+    "small_buckets": Case(ddp={"bucket_cap_mb": 0.001}),
+    "static_graph": Case(micro=1, ddp={"static_graph": True}),  # DDP refuses no_sync with it
+    "zero_late": Case(zero_late=True),
+    "stray_forward": Case(stray_forward=True),
+    "compiled_outside": Case(compiled="outside"),
+    "compiled_inside": Case(compiled="inside"),
 }
 
 
