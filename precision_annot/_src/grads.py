@@ -169,8 +169,11 @@ def _arm(wide: WideGrads) -> None:
     wide._arm()
 
 
-#: `WideGrads._arm`, run eagerly from a compiled forward (a graph break, taken only under DDP)
-_outside_the_graph: Callable[[WideGrads], None] = torch.compiler.disable(_arm)  # type: ignore[no-untyped-call]
+#: `WideGrads._arm`, run eagerly from a compiled forward (a graph break, taken only under DDP).
+#: NOTE: torch's private `_disable_dynamo` is `torch.compiler.disable` imported lazily (as
+#: DDP's own `_inside_ddp_forward` uses it): `torch.compiler.disable` at import time would import
+#: Dynamo, and with it FSDP, into every `import precision_annot`.
+_outside_the_graph: Callable[[WideGrads], None] = torch._disable_dynamo(_arm)  # type: ignore[attr-defined]
 
 
 def _ddp_parameters(ddp: Any) -> list[torch.Tensor]:
@@ -214,6 +217,7 @@ class WideGrads:
     def _reset(self) -> None:
         self.params: list[Wide] = []
         self._handles: list[Any] = []
+        self._hooked: set[int] = set()
         self._ddps: weakref.WeakKeyDictionary[Any, list[Wide]] = weakref.WeakKeyDictionary()
         self._armed: list[Wide] = []
         self._queued = False
@@ -262,6 +266,7 @@ class WideGrads:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked = set()
         self._ddps = weakref.WeakKeyDictionary()
 
     # -- DDP --------------------------------------------------------------------------------
@@ -305,11 +310,15 @@ class WideGrads:
                 f"({dtype_name(w.param.dtype)} for {w.name!r}), and the plan accumulates that "
                 f"gradient in {dtype_name(w.dtype)} and reduces it in {dtype_name(w.comm)} "
                 f"(comm={dtype_name(w.comm)}, {len(narrowed)} parameter(s)): without the "
-                "plan's comm hook that reduction would be narrowed, silently. Register the "
+                f"plan's comm hook it would be reduced in {dtype_name(w.param.dtype)}, "
+                "silently. Register the "
                 "hook before training: ddp_model.register_comm_hook(None, "
                 "precision_annot.adapters.ddp.comm_hook(precision_annot.applied_plan(model)))"
                 f"; or plan comm={dtype_name(w.param.dtype)} for those modules.")
         for w in managed:
+            if id(w.param) in self._hooked:  # by another DDP module wrapping it before
+                continue
+            self._hooked.add(id(w.param))
             self._handles.append(w.param.register_hook(  # type: ignore[no-untyped-call]
                 self._arrive(w.param)))
             self._handles.append(w.param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
