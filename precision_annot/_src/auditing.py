@@ -58,7 +58,7 @@ class UpdateRecord:
     """What one optimizer step did with one parameter (`audit(model, optimizer=...)`).
 
     Attributes:
-        grad: the dtype of the gradient the step read (an accumulation buffer's, if any).
+        grad: the dtype of the gradient the step read.
         master: the dtype of the master copy it updated, or None (the parameter itself).
         state: the optimizer's state tensors for it, by name: a dtype name, or the class of a
             low-bit state ("OptimState8bit").
@@ -324,7 +324,8 @@ class AuditReport:
                              "state")
 
     def _storage(self, entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
-        """Rule 1: tensors held, and gradients received, in their planned dtypes."""
+        """Rule 1: tensors held, and gradients received, in their planned dtypes (a gradient
+        in the plan's `grad` where that is wider than storage)."""
         name = entry.name
         targets = self.execution.targets
         for tname, (kind, dtype) in record.tensors.items():
@@ -332,9 +333,13 @@ class AuditReport:
             if target is not None and target.persistent and dtype != target.dtype:
                 yield Divergence(name, "storage", f"{tname} {dtype_name(target.dtype)}",
                                  dtype_name(dtype), "state")
+        policy = entry.policy
         for tname, dtype in record.grads.items():
             target = targets.get((name, "param", tname))
             expected = target.dtype if target is not None else record.tensors[tname][1]
+            wide = update_key(policy.master, policy.grad, policy.optim,
+                              torch.empty(0, dtype=expected)).grad
+            expected = wide or expected  # grad=fp32: .grad accumulates in it
             if dtype != expected:
                 yield Divergence(name, "grad", f"{tname} {dtype_name(expected)}",
                                  dtype_name(dtype), "backward")

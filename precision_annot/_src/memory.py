@@ -56,8 +56,8 @@ class ModuleMemory:
         name: the module's qualified name.
         params: its parameter elements.
         param_bytes: its parameters, as stored.
-        grad_bytes: its gradients (`.grad` in the storage dtype, and an accumulation buffer
-            where `grad` is wider).
+        grad_bytes: its gradients (`.grad`, in the storage dtype, or in `grad` where that
+            is wider).
         master_bytes: master copies (`master` wider than storage).
         state_bytes: the optimizer's state for its parameters.
     """
@@ -171,9 +171,7 @@ def plan_memory(rows_of: Iterable[tuple[str, _Row]], captured: bool,
                 continue
             probe = torch.empty(0, dtype=stored)
             key = update_key(policy.master, policy.grad, policy.optim, probe)
-            grads += info.numel * stored.itemsize
-            if key.grad is not None:
-                grads += info.numel * key.grad.itemsize
+            grads += info.numel * (key.grad or stored).itemsize  # .grad accumulates in it
             updated = key.master if isinstance(key.master, torch.dtype) else stored
             if isinstance(key.master, torch.dtype):
                 masters += info.numel * key.master.itemsize

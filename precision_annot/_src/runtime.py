@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from precision_annot._src import float8
+from precision_annot._src import float8, grads
 from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
 from precision_annot._src.checkpoints.loading import narrowed, warn_narrowed
 from precision_annot._src.dtypes import dtype_name, wider
@@ -57,6 +57,8 @@ class AppliedState:
     # trace as the pass-through they are there (eager code reads a thread-local instead, which
     # Dynamo cannot trace)
     tracing: bool = False
+    # the parameters whose gradients accumulate wider than they are stored (grad=fp32)
+    wide: grads.WideGrads | None = None
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
@@ -86,7 +88,8 @@ class AppliedState:
     def after_load(self, model: nn.Module, incompatible: Any) -> None:
         """`load_state_dict` post hook: `assign=True` puts the checkpoint's own tensors in the
         model, in the checkpoint's dtypes; each goes back to its planned dtype (the same
-        parameter object, its data cast), and the step guard learns the new parameters."""
+        parameter object, its data cast), new parameters accumulate their gradients in the
+        plan's dtype, and the step guard learns the new parameters."""
         named = dict(model.named_modules())
         moved = False
         for (name, kind, tname), target in self.execution.targets.items():
@@ -96,6 +99,8 @@ class AppliedState:
                 state = ModuleState.of(module) or ModuleState(module, name)
                 state.cast(kind, tname, tensor.detach().to(target.dtype))
                 moved = True
+        if self.wide is not None:
+            self.wide.bind(model)
         if moved:
             _STEPS.note([], _planned_updates(self.plan, named))
 
@@ -217,9 +222,12 @@ class ModuleState:
         tensor = get_tensor(module, kind, name)
         if kind == "param" and tensor is not None:
             with torch.no_grad():
+                grad = tensor.grad
+                if grad is not None:
+                    tensor.grad = None
                 tensor.data = value
-                if tensor.grad is not None:
-                    tensor.grad = tensor.grad.to(value.dtype)
+                if grad is not None:  # in the dtype it accumulates in from now on
+                    tensor.grad = grad.to(getattr(tensor, "grad_dtype", None) or value.dtype)
         else:
             set_tensor(module, kind, name, value)
 
@@ -495,21 +503,24 @@ def _warn_rounded_again(originals: dict[Key, torch.dtype],
         "weights again (model.load_state_dict), then apply.", UserWarning, stacklevel=3)
 
 
-def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
+def _absorb_nested(model: nn.Module) -> tuple[dict[Key, torch.dtype], list[nn.Parameter]]:
     """Originals recorded by earlier applies on this model or its submodules, as this model's
-    names; their states are dropped (and their load hooks removed), since this apply now owns
-    the tree."""
+    names, and the parameters they gave a wider gradient dtype; their states are dropped (and
+    their load and forward hooks removed), since this apply now owns the tree."""
     originals: dict[Key, torch.dtype] = {}
+    widened: list[nn.Parameter] = []
     for name, module in model.named_modules():
         state: AppliedState | None = module.__dict__.pop(_STATE_ATTR, None)
         _drop_load_hooks(module)
         if state is None:
             continue
+        if state.wide is not None:
+            widened += state.wide.release(module)
         prefix = f"{name}." if name else ""
         for (mname, kind, tname), dtype in state.originals.items():
             full = f"{prefix}{mname}" if mname else name
             originals.setdefault((full, kind, tname), dtype)
-    return originals
+    return originals, widened
 
 
 def _drop_load_hooks(module: nn.Module) -> None:
@@ -613,7 +624,8 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
         return
 
     prepared, current = _prepare(execution, named)
-    originals = _absorb_nested(root)
+    wide = grads.planned(plan, named, execution.targets)
+    originals, widened = _absorb_nested(root)
     _warn_rounded_again(originals, prepared)
     for key, dtype in current.items():  # kept from the first apply, if there was one
         originals.setdefault(key, dtype)
@@ -631,9 +643,22 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
         states[name].convert(gemm)
     state = AppliedState(plan, execution, originals, resolved=resolved)
     _install(states, execution, state)
+    _widen(root, state, wide, widened)
     root.register_load_state_dict_pre_hook(state.before_load)  # type: ignore[no-untyped-call]
     root.register_load_state_dict_post_hook(state.after_load)  # type: ignore[no-untyped-call]
     object.__setattr__(root, _STATE_ATTR, state)
+
+
+def _widen(root: nn.Module, state: AppliedState, wide: tuple[grads.Entry, ...],
+           widened: list[nn.Parameter]) -> None:
+    """Give each parameter the plan's gradient dtype (`grad=fp32`); one an earlier apply
+    widened and this plan does not gets its own dtype back."""
+    named = dict(root.named_modules())
+    kept = {id(get_tensor(named[m], "param", t)) for m, t, _, _ in wide}
+    grads.own_dtype([p for p in widened if id(p) not in kept])
+    if wide:
+        state.wide = grads.WideGrads(wide)
+        state.wide.bind(root)
 
 
 def _prepare(execution: Execution, named: dict[str, nn.Module]
@@ -775,7 +800,7 @@ def remove(model: M) -> M:
     """
     require_module(model, "remove")
     root = unwrap(model)
-    originals = _absorb_nested(root)
+    originals, widened = _absorb_nested(root)
     named = dict(root.named_modules())
     for module in named.values():
         ModuleState.strip(module)
@@ -784,4 +809,5 @@ def remove(model: M) -> M:
         tensor = None if module is None else get_tensor(module, kind, tname)
         if module is not None and tensor is not None and tensor.dtype != dtype:
             ModuleState(module, name).cast(kind, tname, tensor.detach().to(dtype))
+    grads.own_dtype(widened)
     return model

@@ -22,8 +22,9 @@ class GradScaler(torch.amp.GradScaler):
     the loss, `unscale_` before clipping, `step` skips a step whose gradients are not finite
     and `update` lowers the scale after one; its state goes in checkpoints with `state_dict`.
 
-    `plan.needs_loss_scaling` says when a plan needs one. With `precision_annot.optimizer`, it
-    unscales the gradients that optimizer's step uses, fp32 accumulation buffers included.
+    `plan.needs_loss_scaling` says when a plan needs one. With `grad=fp32` the gradients of
+    fp16 (or bf16) parameters are fp32 (`.grad` accumulates in fp32), and are unscaled in fp32;
+    `torch.amp.GradScaler` then works as well.
 
     Args:
         device: "cuda", "cpu", ...; None takes CUDA when it is available and the CPU

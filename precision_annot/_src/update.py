@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from precision_annot._src.dtypes import STOCHASTIC, dtype_name
 from precision_annot._src.float8 import import_torchao
+from precision_annot._src.grads import set_grad_dtype
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import UpdateKey, update_key
@@ -268,11 +269,9 @@ class PlanOptimizer(Optimizer):
     any optimizer; `state_dict` holds the master copies, so a resumed run continues bit for
     bit.
 
-    Parameters whose gradients accumulate in an fp32 buffer (`grad=fp32` over bf16 storage)
-    hold in `.grad` the buffer rounded to their dtype, for reading (a norm, a check); the
-    buffer is what the step uses, so scale or clip them through this optimizer
-    (`clip_grad_norm_`, `precision_annot.GradScaler`): a `.grad` changed in place is refused at
-    the step, rather than lost.
+    Parameters whose gradients accumulate in fp32 (`grad=fp32` over bf16 storage) hold that
+    accumulation in `.grad` itself (torch's `Tensor.grad_dtype`, set by `apply`), which the
+    step reads.
     """
 
     def __init__(self, named: list[tuple[str, nn.Parameter, UpdateKey]],
@@ -301,9 +300,9 @@ class PlanOptimizer(Optimizer):
                 engine = _TorchEngine(self, index, optimizer_class, hyperparameters)
             cast(Any, engine.inner)._precision_annot_updates = True
             self.engines.append(engine)
-            if key.grad is not None:
+            if key.grad is not None:  # .grad is the accumulation (apply set grad_dtype)
                 for p in group["params"]:
-                    self._accumulate(p, key.grad)
+                    set_grad_dtype(p, key.grad)
 
     # -- gradients ----------------------------------------------------------------------------
     def _accumulate(self, param: torch.Tensor, dtype: torch.dtype) -> None:
@@ -541,8 +540,8 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /, *,
       parameter, from its gradient upcast a chunk at a time, and writes it back rounded.
     - `master="stochastic"`: no copy; torchao's update writes into bf16 with stochastic
       rounding (Adam and AdamW).
-    - `grad=fp32` over bf16 storage: gradients accumulate across micro-batches in an fp32
-      buffer, which the step reads.
+    - `grad=fp32` over bf16 storage: gradients accumulate across micro-batches in `.grad`,
+      in fp32 (`apply` sets torch's `grad_dtype`), which the step reads.
     - `optim=bf16` (a float dtype): the state is kept in it between steps (the optimizer class
       runs on it upcast, a chunk at a time); `optim="8bit"`, `"4bit"`, `"fp8"`: torchao's
       low-bit states (Adam and AdamW).

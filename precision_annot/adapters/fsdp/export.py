@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from precision_annot._src.dtypes import dtype_name, widest
+from precision_annot._src.findings import listing
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan, nearest, parent_name
@@ -254,6 +255,7 @@ def fully_shard(
     model = unwrap(model)
     plan = plan_of(model) if plan is None else plan
     plan, gathered = masters_as_shards(plan)
+    _refuse_wide_grads(plan)
     apply(model, plan)
     shards = [dataclasses.replace(u, param_dtype=u.param_dtype or _gathered_in(u, gathered))
               for u in plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))]
@@ -264,6 +266,24 @@ def fully_shard(
     for unit in shards:
         _fully_shard(named[unit.name], mp_policy=_mp2(unit), **fully_shard_kwargs)
     return model
+
+
+def _refuse_wide_grads(plan: PrecisionPlan) -> None:
+    """FSDP2 keeps each gradient shard in its parameter shard's dtype (and accumulates the
+    unsharded gradients of `set_requires_gradient_sync(False)` micro-batches in the unit's
+    reduce dtype): a `grad` wider than the shards cannot be kept. With a master it is: the
+    shards are then the fp32 masters and their gradients fp32."""
+    wide = [n for n, e in plan.items() if e.params and e.policy.accumulates]
+    if wide:
+        policy = plan[wide[0]].policy
+        grad, storage = dtype_name(cast(torch.dtype, policy.grad)), dtype_name(
+            cast(torch.dtype, policy.storage))
+        raise ValueError(
+            f"fully_shard: the plan accumulates gradients in {grad} over {storage} storage "
+            f"without a master for {len(wide)} module(s) ({listing(wide, 3)}), and FSDP2 keeps "
+            f"each gradient shard in its parameter shard's dtype ({storage}): the accumulation "
+            f"would be {storage}, silently. Plan master={grad} for them too (the shards are "
+            f"then the masters, and their gradients {grad}), or leave grad unset.")
 
 
 def masters_as_shards(plan: PrecisionPlan) -> tuple[PrecisionPlan, dict[str, torch.dtype]]:
