@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -86,7 +87,14 @@ def install(capture: Capture) -> None:
     # but have held every checkpoint's start since torch 2.1; what is there now is wrapped,
     # so a wrapper installed before this one keeps working.
     module = torch.utils.checkpoint
-    generator = getattr(module, _GENERATOR)
+    generator = getattr(module, _GENERATOR, None)
+    if generator is None or not isinstance(getattr(module, _REENTRANT, None), type):
+        warnings.warn(
+            "precision_annot: this torch's torch.utils.checkpoint has no "
+            f"{_GENERATOR} / {_REENTRANT}; a checkpointed region of an applied model reruns "
+            "without the boundaries' state (fp32 islands may see other dtypes in the rerun).",
+            RuntimeWarning, stacklevel=2)
+        return
 
     def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return generator(_captured(capture, fn), *args, **kwargs)
