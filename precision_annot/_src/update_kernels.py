@@ -1,0 +1,546 @@
+"""The step kernels of the update half: one optimizer step over lists of tensors.
+
+These are plain functions in the manner of `torch.optim`'s functional API (`_fused_adamw`):
+the optimizer class gathers each group's tensors and calls one of them. They read every
+tensor as it is stored, compute in the dtype of what they update, and write each tensor back
+in its own dtype. Nothing here keeps state between calls but a scratch buffer per thread.
+
+API (every list holds one entry per parameter, in the same order; all tensors of one
+parameter are on one device and have its shape and layout; state tensors are updated in
+place, and so are `params`, `stored` and `steps`):
+
+- `adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
+  eps, weight_decay, decoupled, amsgrad=False, maximize=False, stored=None, grad_scale=None,
+  found_inf=None, chunk=None)`: one Adam (`decoupled=False`) or AdamW (`decoupled=True`) step
+  through torch's fused kernel (`torch._fused_adam_` / `_fused_adamw_`), bit for bit what
+  `torch.optim.Adam(W)(fused=True)` does to `params` given the same gradients upcast.
+  `params` are what is updated (the fp32 masters, or the parameters themselves when there is
+  no master); `grads` as stored (bf16, fp16 or fp32); `exp_avgs`, `exp_avg_sqs` (and
+  `max_exp_avg_sqs` when `amsgrad`, else `[]`) in the dtype of `params` or narrower (a bf16
+  state is read and written rounded to nearest); `steps` one float32 scalar tensor per
+  parameter (incremented here, as torch does); `stored`, when given, one tensor per
+  parameter that receives each updated value rounded into its dtype (the bf16 or fp16 weight
+  the model computes with). `grad_scale` / `found_inf` are a GradScaler's (the gradient is
+  divided by the scale in the compute dtype; on `found_inf` nothing changes). Where anything
+  is stored narrower than `params` (the gradient, a state, the stored weight), the step runs
+  over chunks of `chunk` elements (default `CHUNK`; a parameter is split, small ones are
+  grouped), widening each chunk into a scratch buffer and narrowing it back after: no
+  full-size temporary is made.
+- `sgd(params, grads, momentum_buffers, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+  nesterov=False, maximize=False, stored=None, grad_scale=None, found_inf=None, chunk=None)`:
+  the same for SGD (`torch._fused_sgd_`); `momentum_buffers` holds a tensor or None per
+  parameter; when every entry is None (the first step) it is filled in place with new
+  buffers in the dtype of `params`, as `torch.optim.SGD(fused=True)` does.
+- `lowbit_state(p, state, signed, block_size=None)`: a zero optimizer state for `p` in
+  torchao's format (`state` is "8bit", "4bit" or "fp8": torchao's `OptimState8bit`,
+  `OptimState4bit`, `OptimStateFp8`), or a plain zero tensor in `p`'s dtype where torchao
+  keeps one (under 4,096 elements, or not a multiple of the block size). `signed` is True for
+  the first moment, False for the second.
+- `lowbit_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1,
+  beta2, eps, weight_decay, decoupled, maximize=False, stored=None, stochastic=False,
+  grad_scale=None, found_inf=None)`: torchao's Adam/AdamW update (`single_param_adam`'s
+  math, bit for bit what `torchao.optim.AdamW8bit` by hand gives) over states made by
+  `lowbit_state` (or any float tensors), compiled once per layout (state format, flags,
+  dtypes) and reused for every shape: one `torch.compile` per layout, not per shape. `params`
+  are fp32 masters or the parameters; `stored` as in `adam`; `stochastic` rounds a bf16
+  `params` stochastically (torchao's `bf16_stochastic_round`).
+- `fused_available(device)`: whether torch has fused kernels for that device (the engine the
+  functions above use there).
+
+What `adam` costs against torch's own fused fp32 step, and why it is not 1.0x, is in
+docs/performance.md ("The optimizer step").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["CHUNK", "LowBit", "adam", "fused_available", "lowbit_adam", "lowbit_state", "sgd"]
+
+#: elements per chunk on a CPU, where a chunk's scratch stays in cache between widening and
+#: narrowing (a multiple of 64, so that splitting a tensor keeps torch's vectorised loop and
+#: its tail exactly where they fall on the whole tensor)
+CHUNK = 1 << 18
+#: elements per chunk on an accelerator: only the scratch memory is bounded there
+_DEVICE_CHUNK = 1 << 25
+_ALIGN = 64
+
+LowBit = Literal["8bit", "4bit", "fp8"]
+
+
+def fused_available(device: torch.device) -> bool:
+    """Whether torch has fused optimizer kernels for `device`'s type."""
+    # NOTE: torch's own list of the devices with fused kernels is private; reading it here
+    # (one place) keeps the choice of engine the same as torch.optim's `fused=True` check.
+    from torch.optim import optimizer
+
+    devices: list[str] = optimizer._get_fused_kernels_supported_devices()  # type: ignore[attr-defined]
+    return device.type in devices
+
+
+# --- the fused engine: chunks through scratch buffers ----------------------------------------
+
+_scratch = threading.local()
+
+#: one fused call: each role's tensors (widened where stored narrower) and the parameter
+#: index of each entry
+_Call = Callable[[list[list[Tensor]], list[int]], None]
+
+
+def _buffer(device: torch.device, dtype: torch.dtype, slot: int, numel: int) -> Tensor:
+    """A scratch buffer of `numel` elements: kept per thread on a CPU (a fresh allocation of
+    that size costs page faults at every step), made anew on an accelerator (its caching
+    allocator makes that free, and a buffer kept across streams would not be)."""
+    if device.type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
+    cache: dict[tuple[torch.dtype, int], Tensor] | None = getattr(_scratch, "cache", None)
+    if cache is None:
+        cache = _scratch.cache = {}
+    buf = cache.get((dtype, slot))
+    if buf is None or buf.numel() < numel:
+        buf = cache[(dtype, slot)] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+def _flat(t: Tensor, what: str) -> Tensor:
+    if not t.is_contiguous():
+        raise ValueError(f"the update kernels step contiguous tensors only; received {what} "
+                         f"of shape {tuple(t.shape)} and stride {t.stride()}.")
+    return t.view(-1)
+
+
+class _Chunks:
+    """Fused calls over chunks of about `chunk` elements: small parameters grouped whole,
+    large ones split into `chunk`-element pieces; the roles stored narrower than the compute
+    dtype are widened into scratch buffers before each call, and the ones the call writes
+    are narrowed back after it."""
+
+    def __init__(self, narrow: Sequence[bool], written: Sequence[bool], dtype: torch.dtype,
+                 device: torch.device, chunk: int, call: _Call) -> None:
+        self.narrow = narrow
+        self.written = written
+        self.dtype = dtype
+        self.device = device
+        self.chunk = chunk
+        self.call = call
+        self.lists: list[list[Tensor]] = [[] for _ in narrow]
+        self.index: list[int] = []
+        self.used = 0
+
+    def run(self, rows: list[list[Tensor]]) -> None:
+        for i, row in enumerate(rows):
+            numel = row[0].numel()
+            if numel == 0:
+                continue
+            if numel <= self.chunk:
+                self._add(i, row, numel)
+                continue
+            split = [torch.split(t, self.chunk) for t in row]
+            for k in range(len(split[0])):
+                self._add(i, [s[k] for s in split], split[0][k].numel())
+        self._flush()
+
+    def _add(self, i: int, row: list[Tensor], numel: int) -> None:
+        if self.index and self.used + numel > self.chunk:
+            self._flush()
+        for lst, t in zip(self.lists, row, strict=True):
+            lst.append(t)
+        self.index.append(i)
+        self.used += numel
+
+    def _flush(self) -> None:
+        if not self.index:
+            return
+        lists, self.lists = self.lists, [[] for _ in self.narrow]
+        index, self.index, used, self.used = self.index, [], self.used, 0
+        sizes = [t.numel() for t in lists[0]]
+        back: list[tuple[list[Tensor], list[Tensor]]] = []
+        for r, narrow in enumerate(self.narrow):
+            if narrow:
+                wide = list(torch.split(_buffer(self.device, self.dtype, r, used), sizes))
+                torch._foreach_copy_(wide, lists[r])
+                if self.written[r]:
+                    back.append((lists[r], wide))
+                lists[r] = wide
+        self.call(lists, index)
+        for stored, wide in back:
+            torch._foreach_copy_(stored, wide)
+
+
+def _run(roles: dict[str, list[Tensor]], written: Sequence[str], dtype: torch.dtype,
+         device: torch.device, chunk: int | None, call: _Call) -> None:
+    """`call` over the tensors of one compute dtype, by role ("params" first, then the others
+    in the order `call` reads them; a role may be empty): at once when every tensor is stored
+    in `dtype` and nothing is written to a `stored` copy, else a chunk at a time."""
+    names = [name for name, tensors in roles.items() if tensors]
+    narrow = [name != "stored" and any(t.dtype != dtype for t in roles[name]) for name in names]
+    if not any(narrow) and "stored" not in names:
+        call(list(roles.values()), list(range(len(roles["params"]))))
+        return
+    rows = [[_flat(roles[name][i], f"{name}[{i}]") for name in names]
+            for i in range(len(roles["params"]))]
+    slots = list(roles)
+
+    def spread(lists: list[list[Tensor]], index: list[int]) -> None:
+        full: list[list[Tensor]] = [[] for _ in slots]
+        for name, lst in zip(names, lists, strict=True):
+            full[slots.index(name)] = lst
+        call(full, index)
+
+    _Chunks(narrow, [name in written for name in names], dtype, device,
+            _chunk_for(device, chunk), spread).run(rows)
+
+
+def _check(params: Sequence[Tensor], **lists: Sequence[Any] | None) -> None:
+    """Each list holds one entry per parameter (an optional one may be None or empty)."""
+    n = len(params)
+    for name, values in lists.items():
+        if values is None or (not values and name in _OPTIONAL):
+            continue
+        if len(values) != n:
+            raise ValueError(f"`{name}` must hold one entry per parameter ({n}); received "
+                             f"{len(values)}.")
+
+
+_OPTIONAL = ("max_exp_avg_sqs", "stored", "momentum_buffers")
+
+
+def _skipped(found_inf: Tensor | None) -> bool:
+    """True when a CPU `found_inf` says this step is skipped (read here only on a CPU, where
+    it costs no sync; elsewhere the fused kernel skips on the device)."""
+    return found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item())
+
+
+def _chunk_for(device: torch.device, chunk: int | None) -> int:
+    if chunk is None:
+        return CHUNK if device.type == "cpu" else _DEVICE_CHUNK
+    if chunk < _ALIGN or chunk % _ALIGN:
+        raise ValueError(f"`chunk` must be a positive multiple of {_ALIGN} elements; "
+                         f"received chunk={chunk}.")
+    return chunk
+
+
+def _groups(params: Sequence[Tensor], *others: Sequence[Tensor] | None
+            ) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """The parameters' indices by device and compute dtype (the widest of a parameter's
+    tensors: what it updates, its gradient and its states): one fused call, or one loop of
+    chunks, each."""
+    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, p in enumerate(params):
+        dtype = p.dtype
+        for tensors in others:
+            if tensors:
+                dtype = torch.promote_types(dtype, tensors[i].dtype)
+        out.setdefault((p.device, dtype), []).append(i)
+    return out
+
+
+def _pick(values: Sequence[Tensor] | None, index: list[int]) -> list[Tensor]:
+    return [values[i] for i in index] if values else []
+
+
+@torch.no_grad()
+def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+         exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
+         steps: Sequence[Tensor], *, lr: float | Tensor, beta1: float, beta2: float,
+         eps: float, weight_decay: float, decoupled: bool, amsgrad: bool = False,
+         maximize: bool = False, stored: Sequence[Tensor] | None = None,
+         grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+         chunk: int | None = None) -> None:
+    """One Adam (AdamW when `decoupled`) step through torch's fused kernel: see the module's
+    docstring."""
+    _check(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
+           max_exp_avg_sqs=max_exp_avg_sqs if amsgrad else None, stored=stored)
+    if amsgrad and len(max_exp_avg_sqs) != len(params):
+        raise ValueError(f"`max_exp_avg_sqs` must hold one tensor per parameter "
+                         f"({len(params)}) when amsgrad=True; received {len(max_exp_avg_sqs)}.")
+    if not params or _skipped(found_inf):
+        return
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    torch._foreach_add_(list(steps), 1)
+    for (device, dtype), index in _groups(params, grads, exp_avgs, exp_avg_sqs,
+                                          max_exp_avg_sqs if amsgrad else None).items():
+        group_steps = [steps[i] for i in index]
+
+        def call(lists: list[list[Tensor]], rows: list[int], _s: list[Tensor] = group_steps
+                 ) -> None:
+            fused(lists[0], lists[1], lists[2], lists[3], lists[4], [_s[r] for r in rows],
+                  lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                  eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+                  found_inf=found_inf)
+            if lists[5]:
+                torch._foreach_copy_(lists[5], lists[0])
+
+        roles = {"params": _pick(params, index), "grads": _pick(grads, index),
+                 "exp_avgs": _pick(exp_avgs, index), "exp_avg_sqs": _pick(exp_avg_sqs, index),
+                 "max_exp_avg_sqs": _pick(max_exp_avg_sqs if amsgrad else None, index),
+                 "stored": _pick(stored, index)}
+        _run(roles, ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"), dtype, device,
+             chunk, call)
+    if found_inf is not None:
+        torch._foreach_sub_(list(steps), [found_inf] * len(steps))
+
+
+@torch.no_grad()
+def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
+        momentum_buffers: list[Tensor | None], *, lr: float | Tensor, momentum: float = 0.0,
+        dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+        maximize: bool = False, stored: Sequence[Tensor] | None = None,
+        grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+        chunk: int | None = None) -> None:
+    """One SGD step through torch's fused kernel: see the module's docstring."""
+    _check(params, grads=grads, momentum_buffers=momentum_buffers if momentum else None,
+           stored=stored)
+    if not params or _skipped(found_inf):
+        return
+    first = momentum != 0 and all(b is None for b in momentum_buffers)
+    if first:
+        for i, p in enumerate(params):
+            momentum_buffers[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
+    buffers = [b for b in momentum_buffers if b is not None] if momentum != 0 else []
+    if momentum != 0 and len(buffers) != len(params):
+        raise ValueError("`momentum_buffers` holds None for some parameters and a tensor for "
+                         "others; torch's fused SGD starts every buffer at the same step.")
+    for (device, dtype), index in _groups(params, grads, buffers).items():
+
+        def call(lists: list[list[Tensor]], rows: list[int]) -> None:
+            torch._fused_sgd_(lists[0], lists[1], lists[2], weight_decay=weight_decay,
+                              momentum=momentum, lr=lr, dampening=dampening,
+                              nesterov=nesterov, maximize=maximize, is_first_step=first,
+                              grad_scale=grad_scale, found_inf=found_inf)
+            if lists[3]:
+                torch._foreach_copy_(lists[3], lists[0])
+
+        roles = {"params": _pick(params, index), "grads": _pick(grads, index),
+                 "momentum_buffers": _pick(buffers, index), "stored": _pick(stored, index)}
+        _run(roles, ("params", "momentum_buffers"), dtype, device, chunk, call)
+
+
+# --- low-bit states (torchao) -----------------------------------------------------------------
+
+
+def _torchao(name: str) -> Any:
+    from precision_annot._src.float8 import import_torchao
+
+    return import_torchao(name, "a low-bit optimizer state")
+
+
+#: torchao's quantization functions, looked up once (outside the compiled step, which reads
+#: them from here)
+_AO: dict[str, Callable[..., Any]] = {}
+
+
+def _load_torchao() -> None:
+    if _AO:
+        return
+    utils = _torchao("torchao.optim.quant_utils")
+    for name in ("dequant_with_qmap", "scale_tensor", "quantize_8bit_with_qmap",
+                 "quantize_4bit_with_qmap", "_fp32_to_bf16_sr"):
+        _AO[name] = getattr(utils, name)
+    _AO["quantize_fp8"] = _torchao("torchao.optim.subclass_fp8").quantize_fp8
+
+
+def lowbit_state(p: Tensor, state: LowBit, signed: bool, block_size: int | None = None
+                 ) -> Tensor:
+    """A zero optimizer state for `p` in torchao's format, or a plain zero tensor where torchao
+    keeps one (fewer than 4,096 elements, or not a whole number of blocks)."""
+    optim = _torchao("torchao.optim")
+    cls, default = {"8bit": (optim.subclass_8bit.OptimState8bit, 256),
+                    "4bit": (optim.subclass_4bit.OptimState4bit, 128),
+                    "fp8": (optim.subclass_fp8.OptimStateFp8, 256)}.get(state, (None, 0))
+    if cls is None:
+        raise ValueError(f"`state` must be one of '8bit', '4bit', 'fp8'; received "
+                         f"state={state!r}.")
+    block = block_size or default
+    if p.numel() < 4096 or p.numel() % block:
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+    if state == "fp8":
+        return cls.zeros(p.shape, block, p.device, dtype=p.dtype)  # type: ignore[no-any-return]
+    return cls.zeros(p.shape, signed, block, p.device, dtype=p.dtype)  # type: ignore[no-any-return]
+
+
+#: a state as the compiled step sees it: its format and its tensors, blocked
+_Parts = tuple[str, tuple[Tensor, ...]]
+
+
+def _parts(state: Tensor, block: int) -> _Parts:
+    """A state's format and its tensors, each viewed as (blocks, block) where it has blocks."""
+    # NOTE: torchao's state subclasses keep their data in `codes`, `scale` and `qmap` (their
+    # `tensor_attrs`, which `__tensor_flatten__` exposes); the compiled step reads and writes
+    # those plain tensors so that it compiles once for every shape (a subclass with a dynamic
+    # shape does not trace), with the same arithmetic as the subclass's own ops.
+    name = type(state).__name__
+    if name == "OptimState8bit":
+        s: Any = state
+        return "8bit", (s.codes.view(-1, block), s.scale, s.qmap)
+    if name == "OptimState4bit":
+        s = state
+        return "4bit", (s.codes.view(-1, block // 2), s.scale, s.qmap)
+    if name == "OptimStateFp8":
+        s = state
+        return "fp8", (s.codes.view(-1, block), s.scale)
+    if not state.is_floating_point():
+        raise ValueError(f"an optimizer state must be a float tensor or one of torchao's "
+                         f"OptimState8bit, OptimState4bit, OptimStateFp8; received "
+                         f"{type(state).__name__} of dtype {state.dtype}.")
+    return "plain", (_flat(state, "a state").view(-1, block),)
+
+
+def _block(states: Sequence[Tensor]) -> int:
+    """The block size shared by a parameter's quantized states (1 when none is quantized)."""
+    sizes = {int(getattr(s, "block_size", 1)) for s in states}
+    sizes.discard(1)
+    if len(sizes) > 1:
+        raise ValueError(f"a parameter's quantized states must share one block size; "
+                         f"received {sorted(sizes)}.")
+    return sizes.pop() if sizes else 1
+
+
+def _read(parts: _Parts) -> Tensor:
+    """The state in fp32, as torchao's `dequantize` computes it."""
+    dequant_with_qmap = _AO["dequant_with_qmap"]
+    kind, t = parts
+    if kind == "8bit":
+        return dequant_with_qmap(t[0], t[2], t[1])  # type: ignore[no-any-return]
+    if kind == "4bit":
+        codes = torch.stack([t[0] >> 4, t[0] & 0b1111], dim=-1)
+        return dequant_with_qmap(codes, t[2], t[1]).view(t[1].shape[0], -1)  # type: ignore[no-any-return]
+    if kind == "fp8":
+        return t[0].float() * t[1].view(-1, 1)
+    return t[0].float()
+
+
+def _write(parts: _Parts, value: Tensor) -> None:
+    """`value` (fp32) into the state, as torchao's `copy_` into it quantizes it."""
+    kind, t = parts
+    if kind == "plain":
+        t[0].copy_(value)
+        return
+    if kind == "fp8":
+        codes, scale = _AO["quantize_fp8"](value, t[0].shape[1])
+        t[0].copy_(codes)
+        t[1].copy_(scale)
+        return
+    scaled, scale = _AO["scale_tensor"](value, value.shape[1])
+    if kind == "8bit":
+        t[0].copy_(_AO["quantize_8bit_with_qmap"](scaled, t[2]))
+    else:
+        codes = _AO["quantize_4bit_with_qmap"](scaled, t[2])
+        t[0].copy_((codes[:, ::2] << 4) | codes[:, 1::2])
+    t[1].copy_(scale)
+
+
+def _lowbit_kernel(p: Tensor, grad: Tensor, step: Tensor, m: _Parts, v: _Parts,
+                   vmax: _Parts | None, lr: Tensor, beta1: float, beta2: float,
+                   weight_decay: float, eps: float, grad_scale: Tensor | None,
+                   stored: Tensor | None, flags: tuple[bool, bool, bool]) -> None:
+    """torchao's `single_param_adam`, over the states' own tensors (compiled once per layout):
+    the same operations in the same order, so the same bits."""
+    decoupled, maximize, stochastic = flags
+    p_f32 = p.float()
+    grad_f32 = grad.float()
+    if grad_scale is not None:
+        grad_f32 = grad_f32 / grad_scale
+    if maximize:
+        grad_f32 = -grad_f32
+    if decoupled:
+        p_f32 = p_f32 - lr * weight_decay * p_f32
+    else:
+        grad_f32 = grad_f32 + weight_decay * p_f32
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    exp_avg_f32 = _read(m).lerp(grad_f32, 1 - beta1)
+    exp_avg_sq_f32 = _read(v).lerp(grad_f32.square(), 1 - beta2)
+    _write(m, exp_avg_f32)
+    _write(v, exp_avg_sq_f32)
+    if vmax is not None:
+        max_f32 = torch.maximum(_read(vmax), exp_avg_sq_f32)
+        _write(vmax, max_f32)
+        denom = (max_f32.sqrt() / bias_correction2.sqrt()) + eps
+    else:
+        denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
+    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
+    if stochastic:
+        p.copy_(_AO["_fp32_to_bf16_sr"](p_f32))
+    else:
+        p.copy_(p_f32)
+    if stored is not None:
+        stored.copy_(p)
+
+
+_compiled: list[Callable[..., None]] = []
+
+
+def _kernel() -> Callable[..., None]:
+    """The compiled step: one `torch.compile` whose graphs (one per layout: state formats,
+    flags, dtypes) take every shape, the number of blocks being dynamic."""
+    if not _compiled:
+        _compiled.append(torch.compile(_lowbit_kernel, fullgraph=True))
+    return _compiled[0]
+
+
+@contextlib.contextmanager
+def _any_number_of_layouts() -> Iterator[None]:
+    # NOTE: dynamo caps the graphs kept per function (8 by default); a model has a fixed,
+    # small number of layouts, each compiled once, so the cap only risks a silent fall-back
+    # to an eager step (torchao lifts it around its own compiled step for the same reason).
+    from torch._dynamo.utils import disable_cache_limit
+
+    with disable_cache_limit():
+        yield
+
+
+def _dynamic(tensors: Sequence[Tensor | None]) -> None:
+    """The number of blocks (rows) of each tensor is dynamic: one graph takes every shape (a
+    qmap, the third tensor of a state, keeps its fixed size)."""
+    for t in tensors:
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+@torch.no_grad()
+def lowbit_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
+                steps: Sequence[Tensor], *, lr: float | Tensor, beta1: float, beta2: float,
+                eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
+                stored: Sequence[Tensor] | None = None, stochastic: bool = False,
+                grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+    """torchao's Adam/AdamW update over low-bit (or any float) states, compiled once per
+    layout: see the module's docstring."""
+    _check(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
+           max_exp_avg_sqs=max_exp_avg_sqs, stored=stored)
+    if not params or (found_inf is not None and bool(found_inf.item())):
+        return
+    lr_t = lr if isinstance(lr, Tensor) else torch.tensor(lr, dtype=torch.float32)
+    torch._foreach_add_(list(steps), 1)
+    _load_torchao()
+    flags = (decoupled, maximize)
+    with _any_number_of_layouts():
+        for i, p in enumerate(params):
+            states = [exp_avgs[i], exp_avg_sqs[i]] + (
+                [max_exp_avg_sqs[i]] if max_exp_avg_sqs else [])
+            _lowbit_one(i, p, grads[i], steps[i], states, stored[i] if stored else None,
+                        (lr_t, beta1, beta2, weight_decay, eps, grad_scale),
+                        (*flags, stochastic and p.dtype == torch.bfloat16))
+
+
+def _lowbit_one(i: int, p: Tensor, grad: Tensor, step: Tensor, states: list[Tensor],
+                stored: Tensor | None, scalars: tuple[Any, ...], flags: tuple[bool, ...]
+                ) -> None:
+    """One parameter's step: its tensors viewed as blocks, the number of blocks dynamic."""
+    block = _block(states)
+    if p.numel() % block:
+        raise ValueError(f"params[{i}] has {p.numel()} elements, not a whole number of its "
+                         f"states' blocks of {block}.")
+    parts = [_parts(s, block) for s in states]
+    flat = [None if t is None else _flat(t, f"{name}[{i}]").view(-1, block)
+            for name, t in (("params", p), ("grads", grad), ("stored", stored))]
+    _dynamic([*flat, *(t for _, ts in parts for t in ts[:2])])
+    _kernel()(flat[0], flat[1], step, parts[0], parts[1], parts[2] if len(parts) > 2 else None,
+              *scalars, flat[2], flags)
