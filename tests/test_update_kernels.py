@@ -350,7 +350,7 @@ def test_cuda_only_masters_step_runs_torchs_fused_cuda_kernel() -> None:
         assert bits_equal(s, a.bfloat16())
 
 
-# -- low-bit states (torchao), compiled once per layout ---------------------------------------------
+# -- low-bit states (torchao), compiled once per layout ----------------------------------------
 
 #: two quantized shapes (>= 4,096 elements, whole blocks) and two torchao keeps plain
 LOWBIT_SHAPES = [(64, 128), (4096,), (100,), (3, 5)]
