@@ -2,12 +2,14 @@
 
 These are plain functions in the manner of `torch.optim`'s functional API (`_fused_adamw`):
 the optimizer class gathers each group's tensors and calls one of them. They read every
-tensor as it is stored, compute in the dtype of what they update, and write each tensor back
-in its own dtype. Nothing here keeps state between calls but a scratch buffer per thread.
+tensor as it is stored, compute in the widest dtype of a parameter's tensors (the master's
+fp32 in every planned layout), and write each tensor back in its own dtype. Nothing here
+keeps state between calls but a scratch buffer per thread.
 
-API (every list holds one entry per parameter, in the same order; all tensors of one
-parameter are on one device and have its shape and layout; state tensors are updated in
-place, and so are `params`, `stored` and `steps`):
+API (every list holds one entry per parameter, in the same order; the tensors of one
+parameter are on one device, have its shape and are contiguous, as torch's fused kernels
+take them; a gradient stored narrower than the compute dtype may have any layout; states,
+`params`, `stored` and `steps` are updated in place):
 
 - `adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
   eps, weight_decay, decoupled, amsgrad=False, maximize=False, stored=None, grad_scale=None,
@@ -44,8 +46,9 @@ place, and so are `params`, `stored` and `steps`):
   dtypes) and reused for every shape: one `torch.compile` per layout, not per shape. `params`
   are fp32 masters or the parameters; `stored` as in `adam`; `stochastic` rounds a bf16
   `params` stochastically (torchao's `bf16_stochastic_round`).
-- `fused_available(device)`: whether torch has fused kernels for that device (the engine the
-  functions above use there).
+- `fused_available(device)`: whether torch has fused kernels for that device: `adam` and
+  `sgd` use them on every device (a CUDA device runs torch's fused CUDA kernel, chunked only
+  to bound the scratch memory), and refuse a device without them.
 
 What `adam` costs against torch's own fused fp32 step, and why it is not 1.0x, is in
 docs/performance.md ("The optimizer step").
@@ -134,21 +137,35 @@ class _Chunks:
         self.used = 0
 
     def run(self, rows: list[list[Tensor]]) -> None:
+        """Each chunk filled to `chunk` elements: a tensor that fits in what is left of one
+        joins it whole, one that does not is split (flat, at multiples of 64 elements from its
+        start) to fill it and the chunks after it."""
         for i, row in enumerate(rows):
             numel = row[0].numel()
-            if numel == 0:
+            room = self.chunk - self.used
+            if numel > room and room < _ALIGN:
+                self._flush()
+                room = self.chunk
+            if numel <= room:
+                if numel:
+                    self._add(i, row, numel)
                 continue
-            if numel <= self.chunk:
-                self._add(i, row, numel)
-                continue
-            split = [torch.split(t, self.chunk) for t in row]
-            for k in range(len(split[0])):
-                self._add(i, [s[k] for s in split], split[0][k].numel())
+            sizes = self._sizes(numel, room)
+            pieces = [_flat(t, f"the tensors of parameter {i}").split_with_sizes(sizes)
+                      for t in row]
+            for k, size in enumerate(sizes):
+                self._add(i, [piece[k] for piece in pieces], size)
+                if k < len(sizes) - 1:
+                    self._flush()
         self._flush()
 
+    def _sizes(self, numel: int, room: int) -> list[int]:
+        first = room - room % _ALIGN
+        rest = numel - first
+        sizes = [first] + [self.chunk] * (rest // self.chunk)
+        return [*sizes, rest % self.chunk] if rest % self.chunk else sizes
+
     def _add(self, i: int, row: list[Tensor], numel: int) -> None:
-        if self.index and self.used + numel > self.chunk:
-            self._flush()
         for lst, t in zip(self.lists, row, strict=True):
             lst.append(t)
         self.index.append(i)
@@ -159,14 +176,18 @@ class _Chunks:
             return
         lists, self.lists = self.lists, [[] for _ in self.narrow]
         index, self.index, used, self.used = self.index, [], self.used, 0
-        sizes = [t.numel() for t in lists[0]]
         back: list[tuple[list[Tensor], list[Tensor]]] = []
         for r, narrow in enumerate(self.narrow):
             if narrow:
-                wide = list(torch.split(_buffer(self.device, self.dtype, r, used), sizes))
-                torch._foreach_copy_(wide, lists[r])
+                stored = lists[r]
+                buf = _buffer(self.device, self.dtype, r, used)
+                flat = [buf] if len(index) == 1 else buf.split_with_sizes(
+                    [t.numel() for t in stored])
+                wide = [w if t.dim() == 1 else w.view(t.shape)
+                        for w, t in zip(flat, stored, strict=True)]
+                torch._foreach_copy_(wide, stored)
                 if self.written[r]:
-                    back.append((lists[r], wide))
+                    back.append((stored, wide))
                 lists[r] = wide
         self.call(lists, index)
         for stored, wide in back:
@@ -183,14 +204,14 @@ def _run(roles: dict[str, list[Tensor]], written: Sequence[str], dtype: torch.dt
     if not any(narrow) and "stored" not in names:
         call(list(roles.values()), list(range(len(roles["params"]))))
         return
-    rows = [[_flat(roles[name][i], f"{name}[{i}]") for name in names]
-            for i in range(len(roles["params"]))]
-    slots = list(roles)
+    rows = [[roles[name][i] for name in names] for i in range(len(roles["params"]))]
+    where = [list(roles).index(name) for name in names]
+    empty = len(roles)
 
     def spread(lists: list[list[Tensor]], index: list[int]) -> None:
-        full: list[list[Tensor]] = [[] for _ in slots]
-        for name, lst in zip(names, lists, strict=True):
-            full[slots.index(name)] = lst
+        full: list[list[Tensor]] = [[] for _ in range(empty)]
+        for slot, lst in zip(where, lists, strict=True):
+            full[slot] = lst
         call(full, index)
 
     _Chunks(narrow, [name in written for name in names], dtype, device,
@@ -245,6 +266,15 @@ def _pick(values: Sequence[Tensor] | None, index: list[int]) -> list[Tensor]:
     return [values[i] for i in index] if values else []
 
 
+def _require_fused(device: torch.device, what: str) -> None:
+    if not fused_available(device):
+        from torch.optim import optimizer
+
+        devices = optimizer._get_fused_kernels_supported_devices()  # type: ignore[attr-defined]
+        raise ValueError(f"{what} runs torch's fused kernels, which torch has for device types "
+                         f"{', '.join(devices)}; received parameters on {device}.")
+
+
 @torch.no_grad()
 def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
          exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
@@ -263,9 +293,12 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     if not params or _skipped(found_inf):
         return
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    plans = _prepare({"params": params, "grads": grads, "exp_avgs": exp_avgs,
+                      "exp_avg_sqs": exp_avg_sqs,
+                      "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None, "stored": stored},
+                     "the Adam step", chunk)
     torch._foreach_add_(list(steps), 1)
-    for (device, dtype), index in _groups(params, grads, exp_avgs, exp_avg_sqs,
-                                          max_exp_avg_sqs if amsgrad else None).items():
+    for device, dtype, index, roles in plans:
         group_steps = [steps[i] for i in index]
 
         def call(lists: list[list[Tensor]], rows: list[int], _s: list[Tensor] = group_steps
@@ -277,14 +310,49 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
             if lists[5]:
                 torch._foreach_copy_(lists[5], lists[0])
 
-        roles = {"params": _pick(params, index), "grads": _pick(grads, index),
-                 "exp_avgs": _pick(exp_avgs, index), "exp_avg_sqs": _pick(exp_avg_sqs, index),
-                 "max_exp_avg_sqs": _pick(max_exp_avg_sqs if amsgrad else None, index),
-                 "stored": _pick(stored, index)}
         _run(roles, ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"), dtype, device,
              chunk, call)
     if found_inf is not None:
         torch._foreach_sub_(list(steps), [found_inf] * len(steps))
+
+
+#: one fused loop: its device, compute dtype, parameter indices and tensors by role
+_Plan = tuple[torch.device, torch.dtype, list[int], dict[str, list[Tensor]]]
+
+
+def _prepare(lists: dict[str, Sequence[Tensor] | None], what: str, chunk: int | None
+             ) -> list[_Plan]:
+    """The fused loops of one step, by device and compute dtype, after checking everything a
+    loop would refuse halfway (so that a refused step changes nothing)."""
+    if chunk is not None:
+        _chunk_for(torch.device("cpu"), chunk)
+    state = [lists[name] for name in lists if name not in ("params", "stored")]
+    plans: list[_Plan] = []
+    for (device, dtype), index in _groups(lists["params"] or [], *state).items():
+        _require_fused(device, what)
+        roles = {name: _pick(tensors, index) for name, tensors in lists.items()}
+        for name, tensors in roles.items():
+            for k, t in enumerate(tensors):
+                if not t.is_contiguous() and (name != "grads" or t.dtype == dtype):
+                    _flat(t, f"{name}[{index[k]}]")
+        plans.append((device, dtype, index, roles))
+    return plans
+
+
+def _momentum(params: Sequence[Tensor], momentum_buffers: list[Tensor | None],
+              momentum: float) -> tuple[bool, list[Tensor]]:
+    """Whether this is the first step with momentum (every buffer None: each is made here, as
+    torch's fused SGD does), and the buffers."""
+    if momentum == 0:
+        return False, []
+    if all(b is None for b in momentum_buffers):
+        return True, [torch.empty_like(p, memory_format=torch.contiguous_format)
+                      for p in params]
+    buffers = [b for b in momentum_buffers if b is not None]
+    if len(buffers) != len(params):
+        raise ValueError("`momentum_buffers` holds None for some parameters and a tensor for "
+                         "others; torch's fused SGD starts every buffer at the same step.")
+    return False, buffers
 
 
 @torch.no_grad()
@@ -299,15 +367,12 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
            stored=stored)
     if not params or _skipped(found_inf):
         return
-    first = momentum != 0 and all(b is None for b in momentum_buffers)
+    first, buffers = _momentum(params, momentum_buffers, momentum)
+    plans = _prepare({"params": params, "grads": grads, "momentum_buffers": buffers,
+                      "stored": stored}, "the SGD step", chunk)
     if first:
-        for i, p in enumerate(params):
-            momentum_buffers[i] = torch.empty_like(p, memory_format=torch.contiguous_format)
-    buffers = [b for b in momentum_buffers if b is not None] if momentum != 0 else []
-    if momentum != 0 and len(buffers) != len(params):
-        raise ValueError("`momentum_buffers` holds None for some parameters and a tensor for "
-                         "others; torch's fused SGD starts every buffer at the same step.")
-    for (device, dtype), index in _groups(params, grads, buffers).items():
+        momentum_buffers[:] = buffers
+    for device, dtype, _, roles in plans:
 
         def call(lists: list[list[Tensor]], rows: list[int]) -> None:
             torch._fused_sgd_(lists[0], lists[1], lists[2], weight_decay=weight_decay,
@@ -317,8 +382,6 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
             if lists[3]:
                 torch._foreach_copy_(lists[3], lists[0])
 
-        roles = {"params": _pick(params, index), "grads": _pick(grads, index),
-                 "momentum_buffers": _pick(buffers, index), "stored": _pick(stored, index)}
         _run(roles, ("params", "momentum_buffers"), dtype, device, chunk, call)
 
 
