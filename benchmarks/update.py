@@ -130,7 +130,7 @@ def composed(shapes: list[tuple[int, ...]]) -> Callable[[], None]:
 def deepspeed_adam(shapes: list[tuple[int, ...]]) -> Callable[[], None] | str:
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-    except Exception as e:  # noqa: BLE001 - any failure to import or build is reported
+    except Exception as e:  # any failure to import or build it is reported
         return f"unavailable ({type(e).__name__})"
     params = [torch.nn.Parameter(t) for t in make(shapes, torch.float32, 0)]
     for p, g in zip(params, make(shapes, torch.float32, 1, 1e-3), strict=True):

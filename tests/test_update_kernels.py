@@ -406,6 +406,35 @@ def same_state(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
     return all(bits_equal(getattr(ours, n), getattr(theirs, n)) for n in names)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_8bit_quantizer_finds_torchaos_codes(signed: bool) -> None:
+    """The quantizer that starts from a table of bf16 buckets gives torchao's codes: at both
+    edges of every bucket in [-1, 1], at every map value and midpoint and the fp32 values next
+    to them, at 0, -0, +-1 and NaN, and at values spread over every magnitude."""
+    from torchao.optim.quant_utils import quantize_8bit_with_qmap
+
+    qmap = kernels.lowbit_state(torch.zeros(4096), "8bit", signed).qmap  # type: ignore[attr-defined]
+    table = kernels._floor_table(qmap)
+    assert table is not None
+    bits = torch.arange(1 << 16, dtype=torch.int32) << 16
+    edges = torch.cat([bits.view(torch.float32), (bits | 0xFFFF).view(torch.float32)])
+    points = torch.cat([qmap, (qmap[1:] + qmap[:-1]) / 2,
+                        torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan")])])
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(1 << 18, generator=g) * torch.exp(torch.randn(1 << 18, generator=g) * 4)
+    x = torch.cat([edges, points, torch.nextafter(points, torch.full_like(points, 2.0)),
+                   torch.nextafter(points, torch.full_like(points, -2.0)),
+                   spread / spread.abs().max()])
+    x = x[(x.abs() <= 1) | x.isnan()]
+    if not signed:
+        x = x[(x >= 0) | x.isnan()]
+    assert torch.equal(kernels._quantize_8bit(x, qmap, table), quantize_8bit_with_qmap(x, qmap))
+
+
+def test_a_map_a_bucket_cannot_search_in_one_step_uses_torchaos_search() -> None:
+    assert kernels._floor_table(torch.linspace(0.5, 0.51, 256)) is None  # 64 a bucket
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("state", "cls_name", "decoupled"), [
     ("8bit", "AdamW8bit", True), ("8bit", "Adam8bit", False), ("4bit", "AdamW4bit", True),
