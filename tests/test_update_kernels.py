@@ -17,6 +17,7 @@ from torch.optim.adam import adam as torch_adam_functional
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from precision_annot._src import update_kernels as kernels
+from tests.adapters.conftest import group  # noqa: F401 - the one-rank process group fixture
 
 #: shapes with odd sizes, one larger than the small chunk the tests use (so it is split), and
 #: several smaller ones (so they are grouped into one chunk)
@@ -259,6 +260,58 @@ def test_a_masters_step_makes_no_full_size_temporary() -> None:
     assert seen.bytes == 0
     assert seen.ops.count("_fused_adamw_") == 49  # 196,864 elements in full chunks of 4,096
     assert all(buf.numel() <= 4096 for buf in kernels._scratch.cache.values())
+
+
+def test_a_tensor_lr_is_torchs_tensor_lr() -> None:
+    grads = [tensors(torch.bfloat16, 85, 1e-2)]
+    ours = Layout(torch.float32, torch.float32, torch.bfloat16)
+    options = {**HYPER, "lr": torch.tensor(0.03)}
+    kernels.adam(ours.params, grads[0], ours.exp_avgs, ours.exp_avg_sqs, [], ours.steps,
+                 decoupled=True, weight_decay=0.1, stored=ours.stored, chunk=CHUNK, **options)
+    ps = [torch.nn.Parameter(p) for p in tensors(torch.float32, 0)]
+    opt = torch.optim.AdamW(ps, lr=torch.tensor(0.03), betas=(HYPER["beta1"], HYPER["beta2"]),
+                            eps=HYPER["eps"], weight_decay=0.1, fused=True)
+    for p, g in zip(ps, grads[0], strict=True):
+        p.grad = g.float()
+    opt.step()
+    assert all(bits_equal(a, b.detach()) for a, b in zip(ours.params, ps, strict=True))
+
+
+@pytest.mark.usefixtures("group")
+def test_dtensor_shards_are_stepped_where_they_are() -> None:
+    """Under FSDP2 every tensor of a parameter is a DTensor sharded alike: each rank steps its
+    local shards, with the plain tensors' result; a gradient placed otherwise is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    shapes = [(64, 128), (1000,)]
+    plain = Layout(torch.float32, torch.float32, torch.bfloat16, shapes)
+    grads = tensors(torch.bfloat16, 95, 1e-2, shapes)
+
+    def shard(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [distribute_tensor(t.clone(), mesh, [Shard(0)]) for t in ts]
+
+    sharded = {k: shard(getattr(plain, k)) for k in ("params", "exp_avgs", "exp_avg_sqs")}
+    stored = shard(plain.stored or [])
+    steps = [torch.tensor(0.0) for _ in shapes]
+    kernels.adam(sharded["params"], shard(grads), sharded["exp_avgs"], sharded["exp_avg_sqs"],
+                 [], steps, decoupled=True, weight_decay=0.01, stored=stored, chunk=CHUNK,
+                 **HYPER)
+    kernels.adam(plain.params, grads, plain.exp_avgs, plain.exp_avg_sqs, [], plain.steps,
+                 decoupled=True, weight_decay=0.01, stored=plain.stored, chunk=CHUNK, **HYPER)
+    for a, b in zip(sharded["params"] + stored, plain.params + (plain.stored or []),
+                    strict=True):
+        assert bits_equal(a.to_local(), b)
+    state = kernels.lowbit_state(sharded["params"][0], "8bit", True)
+    assert type(state.to_local()).__name__ == "OptimState8bit"  # type: ignore[attr-defined]
+    replicated = [distribute_tensor(g, mesh, [Replicate()]) for g in grads]
+    with pytest.raises(ValueError, match=r"grads\[0\] is a DTensor placed \(Replicate\(\),\); "
+                                         r"the step takes the tensors of a parameter placed as "
+                                         r"the parameter is \(\(Shard\(dim=0\),\)\)"):
+        kernels.adam(sharded["params"], replicated, sharded["exp_avgs"],
+                     sharded["exp_avg_sqs"], [], steps, decoupled=True, weight_decay=0.0,
+                     **HYPER)
 
 
 # -- SGD -------------------------------------------------------------------------------------------

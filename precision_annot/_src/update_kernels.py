@@ -316,6 +316,28 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
         torch._foreach_sub_(list(steps), [found_inf] * len(steps))
 
 
+def _local(tensors: list[Tensor], params: list[Tensor], name: str, index: list[int]
+           ) -> list[Tensor]:
+    """Each DTensor's local shard: the step is elementwise, so each rank steps its own shard
+    (as torch's fused step does under FSDP2), provided every tensor of a parameter is placed
+    as the parameter is (a gradient still partial, not yet reduced, is refused)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for k, t in enumerate(tensors):
+        if isinstance(t, DTensor):
+            p = params[k]
+            if not isinstance(p, DTensor) or (t.device_mesh, t.placements) != (
+                    p.device_mesh, p.placements):
+                raise ValueError(
+                    f"{name}[{index[k]}] is a DTensor placed {t.placements}; the step takes "
+                    f"the tensors of a parameter placed as the parameter is "
+                    f"({getattr(p, 'placements', 'not a DTensor')}).")
+            t = t.to_local()
+        out.append(t)
+    return out
+
+
 #: one fused loop: its device, compute dtype, parameter indices and tensors by role
 _Plan = tuple[torch.device, torch.dtype, list[int], dict[str, list[Tensor]]]
 
@@ -330,7 +352,9 @@ def _prepare(lists: dict[str, Sequence[Tensor] | None], what: str, chunk: int | 
     plans: list[_Plan] = []
     for (device, dtype), index in _groups(lists["params"] or [], *state).items():
         _require_fused(device, what)
-        roles = {name: _pick(tensors, index) for name, tensors in lists.items()}
+        params = _pick(lists["params"], index)
+        roles = {name: _local(_pick(tensors, index), params, name, index)
+                 for name, tensors in lists.items()}
         for name, tensors in roles.items():
             for k, t in enumerate(tensors):
                 if not t.is_contiguous() and (name != "grads" or t.dtype == dtype):
@@ -421,11 +445,19 @@ def lowbit_state(p: Tensor, state: LowBit, signed: bool, block_size: int | None 
         raise ValueError(f"`state` must be one of '8bit', '4bit', 'fp8'; received "
                          f"state={state!r}.")
     block = block_size or default
-    if p.numel() < 4096 or p.numel() % block:
-        return torch.zeros_like(p, memory_format=torch.contiguous_format)
-    if state == "fp8":
-        return cls.zeros(p.shape, block, p.device, dtype=p.dtype)  # type: ignore[no-any-return]
-    return cls.zeros(p.shape, signed, block, p.device, dtype=p.dtype)  # type: ignore[no-any-return]
+    from torch.distributed.tensor import DTensor
+
+    local = p.to_local() if isinstance(p, DTensor) else p
+    if local.numel() < 4096 or local.numel() % block:
+        out = torch.zeros_like(local, memory_format=torch.contiguous_format)
+    elif state == "fp8":
+        out = cls.zeros(local.shape, block, local.device, dtype=local.dtype)
+    else:
+        out = cls.zeros(local.shape, signed, block, local.device, dtype=local.dtype)
+    if isinstance(p, DTensor):  # each rank's shard quantized on its own, as torchao does
+        out = DTensor.from_local(out, p.device_mesh, p.placements, run_check=False,
+                                 shape=p.shape, stride=p.stride())
+    return out
 
 
 #: a state as the compiled step sees it: its format and its tensors, blocked
@@ -636,9 +668,12 @@ def lowbit_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     flags = (decoupled, maximize)
     with _any_number_of_layouts():
         for i, p in enumerate(params):
-            states = [exp_avgs[i], exp_avg_sqs[i]] + (
-                [max_exp_avg_sqs[i]] if max_exp_avg_sqs else [])
-            _lowbit_one(i, p, grads[i], steps[i], states, stored[i] if stored else None,
+            row = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + (
+                [max_exp_avg_sqs[i]] if max_exp_avg_sqs else []) + (
+                [stored[i]] if stored else [])
+            row = _local(row, [p] * len(row), "the tensors of params", [i] * len(row))
+            _lowbit_one(i, row[0], row[1], steps[i], row[2:4 + bool(max_exp_avg_sqs)],
+                        row[-1] if stored else None,
                         (lr_t, beta1, beta2, weight_decay, eps, grad_scale),
                         (*flags, stochastic and p.dtype == torch.bfloat16))
 
