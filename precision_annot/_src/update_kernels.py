@@ -486,7 +486,8 @@ def _parts(state: Tensor, block: int) -> _Parts:
         raise ValueError(f"an optimizer state must be a float tensor or one of torchao's "
                          f"OptimState8bit, OptimState4bit, OptimStateFp8; received "
                          f"{type(state).__name__} of dtype {state.dtype}.")
-    return "plain", (_flat(state, "a state").view(-1, block),)
+    flat = _flat(state, "a state")
+    return "plain", (flat.view(-1, block) if block > 1 else flat,)
 
 
 def _block(states: Sequence[Tensor]) -> int:
@@ -687,8 +688,9 @@ def _lowbit_one(i: int, p: Tensor, grad: Tensor, step: Tensor, states: list[Tens
         raise ValueError(f"params[{i}] has {p.numel()} elements, not a whole number of its "
                          f"states' blocks of {block}.")
     parts = [_parts(s, block) for s in states]
-    flat = [None if t is None else _flat(t, f"{name}[{i}]").view(-1, block)
-            for name, t in (("params", p), ("grads", grad), ("stored", stored))]
+    flat = [None if t is None else _flat(t, f"{name}[{i}]").view(-1, block) if block > 1
+            else _flat(t, f"{name}[{i}]") for name, t in (("params", p), ("grads", grad),
+                                                           ("stored", stored))]
     _dynamic([*flat, *(t for _, ts in parts for t in ts[:2])])
     _kernel()(flat[0], flat[1], step, parts[0], parts[1], parts[2] if len(parts) > 2 else None,
               *scalars, flat[2], flags)
