@@ -91,9 +91,8 @@ def fused_available(device: torch.device) -> bool:
 
 _scratch = threading.local()
 
-#: one fused call: each role's tensors (widened where stored narrower) and the parameter
-#: index of each entry
-_Call = Callable[[list[list[Tensor]], list[int]], None]
+#: one fused call: each role's tensors, widened where stored narrower
+_Call = Callable[[list[list[Tensor]]], None]
 
 
 def _buffer(device: torch.device, dtype: torch.dtype, slot: int, numel: int) -> Tensor:
@@ -118,104 +117,132 @@ def _flat(t: Tensor, what: str) -> Tensor:
     return t.view(-1)
 
 
-class _Chunks:
-    """Fused calls over chunks of about `chunk` elements: small parameters grouped whole,
-    large ones split into `chunk`-element pieces; the roles stored narrower than the compute
-    dtype are widened into scratch buffers before each call, and the ones the call writes
-    are narrowed back after it."""
+class _Layout:
+    """How a list of parameter shapes is cut into chunks of `chunk` elements: each chunk
+    filled, a tensor that fits in what is left of one joining it whole, one that does not
+    split (flat, at multiples of 64 elements from its start) to fill it and the chunks after
+    it. Made once per list of shapes (kept per thread, with the scratch views it widens
+    into), so that a step only slices lists."""
 
-    def __init__(self, narrow: Sequence[bool], written: Sequence[bool], dtype: torch.dtype,
-                 device: torch.device, chunk: int, call: _Call) -> None:
-        self.narrow = narrow
-        self.written = written
-        self.dtype = dtype
-        self.device = device
+    def __init__(self, shapes: Sequence[torch.Size], chunk: int) -> None:
         self.chunk = chunk
-        self.call = call
-        self.lists: list[list[Tensor]] = [[] for _ in narrow]
-        self.index: list[int] = []
-        self.used = 0
+        self.splits: list[list[int] | None] = []  # per parameter: its pieces, None if whole
+        self.shapes: list[torch.Size] = []  # per piece
+        self.bounds: list[tuple[int, int]] = []  # per chunk: its range of pieces
+        self._views: dict[tuple[torch.device, torch.dtype, int], list[list[Tensor]]] = {}
+        self._used = 0
+        for shape in shapes:
+            self._place(shape)
+        self._close()
 
-    def run(self, rows: list[list[Tensor]]) -> None:
-        """Each chunk filled to `chunk` elements: a tensor that fits in what is left of one
-        joins it whole, one that does not is split (flat, at multiples of 64 elements from its
-        start) to fill it and the chunks after it."""
-        for i, row in enumerate(rows):
-            numel = row[0].numel()
-            room = self.chunk - self.used
-            if numel > room and room < _ALIGN:
-                self._flush()
-                room = self.chunk
-            if numel <= room:
-                if numel:
-                    self._add(i, row, numel)
-                continue
-            sizes = self._sizes(numel, room)
-            pieces = [_flat(t, f"the tensors of parameter {i}").split_with_sizes(sizes)
-                      for t in row]
-            for k, size in enumerate(sizes):
-                self._add(i, [piece[k] for piece in pieces], size)
-                if k < len(sizes) - 1:
-                    self._flush()
-        self._flush()
-
-    def _sizes(self, numel: int, room: int) -> list[int]:
+    def _place(self, shape: torch.Size) -> None:
+        numel = shape.numel()
+        room = self.chunk - self._used
+        if numel > room and room < _ALIGN:
+            self._close()
+            room = self.chunk
+        if numel <= room:
+            self.splits.append(None if numel else [])
+            if numel:
+                self._piece(shape, numel)
+            return
         first = room - room % _ALIGN
         rest = numel - first
         sizes = [first] + [self.chunk] * (rest // self.chunk)
-        return [*sizes, rest % self.chunk] if rest % self.chunk else sizes
+        sizes += [rest % self.chunk] if rest % self.chunk else []
+        self.splits.append(sizes)
+        for k, size in enumerate(sizes):
+            self._piece(torch.Size([size]), size)
+            if k < len(sizes) - 1:
+                self._close()
 
-    def _add(self, i: int, row: list[Tensor], numel: int) -> None:
-        for lst, t in zip(self.lists, row, strict=True):
-            lst.append(t)
-        self.index.append(i)
-        self.used += numel
+    def _piece(self, shape: torch.Size, numel: int) -> None:
+        self.shapes.append(shape)
+        self._used += numel
 
-    def _flush(self) -> None:
-        if not self.index:
-            return
-        lists, self.lists = self.lists, [[] for _ in self.narrow]
-        index, self.index, used, self.used = self.index, [], self.used, 0
-        back: list[tuple[list[Tensor], list[Tensor]]] = []
-        for r, narrow in enumerate(self.narrow):
-            if narrow:
-                stored = lists[r]
-                buf = _buffer(self.device, self.dtype, r, used)
-                flat = [buf] if len(index) == 1 else buf.split_with_sizes(
-                    [t.numel() for t in stored])
-                wide = [w if t.dim() == 1 else w.view(t.shape)
-                        for w, t in zip(flat, stored, strict=True)]
-                torch._foreach_copy_(wide, stored)
-                if self.written[r]:
-                    back.append((stored, wide))
-                lists[r] = wide
-        self.call(lists, index)
-        for stored, wide in back:
-            torch._foreach_copy_(stored, wide)
+    def _close(self) -> None:
+        begin = self.bounds[-1][1] if self.bounds else 0
+        if len(self.shapes) > begin:
+            self.bounds.append((begin, len(self.shapes)))
+        self._used = 0
+
+    def scratch(self, device: torch.device, dtype: torch.dtype, slot: int
+                ) -> list[list[Tensor]]:
+        """Per chunk, views of one scratch buffer shaped as the chunk's pieces."""
+        key = (device, dtype, slot)
+        if key in self._views:
+            return self._views[key]
+        buf = _buffer(device, dtype, slot, self.chunk)
+        out = []
+        for begin, end in self.bounds:
+            shapes = self.shapes[begin:end]
+            sizes = [s.numel() for s in shapes]
+            flat = buf[:sum(sizes)].split_with_sizes(sizes)
+            out.append([f if len(s) == 1 else f.view(s) for f, s in zip(flat, shapes,
+                                                                        strict=True)])
+        if device.type == "cpu":  # (an accelerator's buffer is made for each step)
+            self._views[key] = out
+        return out
+
+    def pieces(self, tensors: list[Tensor], name: str, repeat: bool = False) -> list[Tensor]:
+        """One role's tensors as the layout's pieces (or, with `repeat`, each parameter's
+        tensor once per piece: its step count)."""
+        out: list[Tensor] = []
+        for i, (t, split) in enumerate(zip(tensors, self.splits, strict=True)):
+            if split is None:
+                out.append(t)
+            elif repeat:
+                out.extend([t] * len(split))
+            elif split:
+                out.extend(_flat(t, f"{name}[{i}]").split_with_sizes(split))
+        return out
+
+
+def _layout(shapes: tuple[torch.Size, ...], chunk: int) -> _Layout:
+    cache: dict[tuple[tuple[torch.Size, ...], int], _Layout] | None = getattr(
+        _scratch, "layouts", None)
+    if cache is None:
+        cache = _scratch.layouts = {}
+    layout = cache.get((shapes, chunk))
+    if layout is None:
+        if len(cache) >= 16:
+            cache.clear()
+        layout = cache[(shapes, chunk)] = _Layout(shapes, chunk)
+    return layout
 
 
 def _run(roles: dict[str, list[Tensor]], written: Sequence[str], dtype: torch.dtype,
          device: torch.device, chunk: int | None, call: _Call) -> None:
     """`call` over the tensors of one compute dtype, by role ("params" first, then the others
-    in the order `call` reads them; a role may be empty): at once when every tensor is stored
-    in `dtype` and nothing is written to a `stored` copy, else a chunk at a time."""
-    names = [name for name, tensors in roles.items() if tensors]
-    narrow = [name != "stored" and any(t.dtype != dtype for t in roles[name]) for name in names]
-    if not any(narrow) and "stored" not in names:
-        call(list(roles.values()), list(range(len(roles["params"]))))
+    in the order `call` reads them; a role may be empty; "steps" holds one tensor a parameter,
+    given to each of its pieces): at once when every tensor is stored in `dtype` and nothing
+    is written to a `stored` copy, else a chunk at a time, the roles stored narrower widened
+    into scratch views before each call and the written ones narrowed back after it."""
+    names = list(roles)
+    narrow = [name not in ("stored", "steps") and any(t.dtype != dtype for t in roles[name])
+              for name in names]
+    if not any(narrow) and not roles.get("stored"):
+        call(list(roles.values()))
         return
-    rows = [[roles[name][i] for name in names] for i in range(len(roles["params"]))]
-    where = [list(roles).index(name) for name in names]
-    empty = len(roles)
+    layout = _layout(tuple(p.shape for p in roles["params"]), _chunk_for(device, chunk))
+    pieces = [layout.pieces(roles[name], name, name == "steps") if roles[name] else []
+              for name in names]
+    scratch = {r: layout.scratch(device, dtype, r) for r, n in enumerate(narrow) if n}
+    _chunks(layout, pieces, scratch, [r for r in scratch if names[r] in written], call)
 
-    def spread(lists: list[list[Tensor]], index: list[int]) -> None:
-        full: list[list[Tensor]] = [[] for _ in range(empty)]
-        for slot, lst in zip(where, lists, strict=True):
-            full[slot] = lst
-        call(full, index)
 
-    _Chunks(narrow, [name in written for name in names], dtype, device,
-            _chunk_for(device, chunk), spread).run(rows)
+def _chunks(layout: _Layout, pieces: list[list[Tensor]], scratch: dict[int, list[list[Tensor]]],
+            back: list[int], call: _Call) -> None:
+    """One fused call a chunk: the narrow roles widened into their scratch views first, the
+    written ones among them narrowed back after."""
+    for k, (begin, end) in enumerate(layout.bounds):
+        lists = [p[begin:end] for p in pieces]
+        for r, views in scratch.items():
+            torch._foreach_copy_(views[k], lists[r])
+            lists[r] = views[k]
+        call(lists)
+        for r in back:
+            torch._foreach_copy_(pieces[r][begin:end], lists[r])
 
 
 def _check(params: Sequence[Tensor], **lists: Sequence[Any] | None) -> None:
@@ -299,13 +326,12 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
                      "the Adam step", chunk)
     torch._foreach_add_(list(steps), 1)
     for device, dtype, index, roles in plans:
-        group_steps = [steps[i] for i in index]
+        roles["steps"] = [steps[i] for i in index]
 
-        def call(lists: list[list[Tensor]], rows: list[int], _s: list[Tensor] = group_steps
-                 ) -> None:
-            fused(lists[0], lists[1], lists[2], lists[3], lists[4], [_s[r] for r in rows],
-                  lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                  eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+        def call(lists: list[list[Tensor]]) -> None:
+            fused(lists[0], lists[1], lists[2], lists[3], lists[4], lists[6], lr=lr,
+                  beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                  amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
                   found_inf=found_inf)
             if lists[5]:
                 torch._foreach_copy_(lists[5], lists[0])
@@ -398,7 +424,7 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
         momentum_buffers[:] = buffers
     for device, dtype, _, roles in plans:
 
-        def call(lists: list[list[Tensor]], rows: list[int]) -> None:
+        def call(lists: list[list[Tensor]]) -> None:
             torch._fused_sgd_(lists[0], lists[1], lists[2], weight_decay=weight_decay,
                               momentum=momentum, lr=lr, dampening=dampening,
                               nesterov=nesterov, maximize=maximize, is_first_step=first,
