@@ -57,6 +57,7 @@ docs/performance.md ("The optimizer step").
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -79,12 +80,16 @@ LowBit = Literal["8bit", "4bit", "fp8"]
 
 def fused_available(device: torch.device) -> bool:
     """Whether torch has fused optimizer kernels for `device`'s type."""
+    return device.type in _fused_devices()
+
+
+@functools.cache
+def _fused_devices() -> tuple[str, ...]:
     # NOTE: torch's own list of the devices with fused kernels is private; reading it here
     # (one place) keeps the choice of engine the same as torch.optim's `fused=True` check.
     from torch.optim import optimizer
 
-    devices: list[str] = optimizer._get_fused_kernels_supported_devices()  # type: ignore[attr-defined]
-    return device.type in devices
+    return tuple(optimizer._get_fused_kernels_supported_devices())  # type: ignore[attr-defined]
 
 
 # --- the fused engine: chunks through scratch buffers ----------------------------------------
@@ -184,17 +189,17 @@ class _Layout:
             self._views[key] = out
         return out
 
-    def pieces(self, tensors: list[Tensor], name: str, repeat: bool = False) -> list[Tensor]:
+    def pieces(self, tensors: list[Tensor], repeat: bool = False) -> list[Tensor]:
         """One role's tensors as the layout's pieces (or, with `repeat`, each parameter's
         tensor once per piece: its step count)."""
         out: list[Tensor] = []
-        for i, (t, split) in enumerate(zip(tensors, self.splits, strict=True)):
+        for t, split in zip(tensors, self.splits, strict=True):
             if split is None:
                 out.append(t)
             elif repeat:
                 out.extend([t] * len(split))
-            elif split:
-                out.extend(_flat(t, f"{name}[{i}]").split_with_sizes(split))
+            elif split:  # (contiguous: `_prepare` checked)
+                out.extend(t.view(-1).split_with_sizes(split))
         return out
 
 
@@ -225,7 +230,7 @@ def _run(roles: dict[str, list[Tensor]], written: Sequence[str], dtype: torch.dt
         call(list(roles.values()))
         return
     layout = _layout(tuple(p.shape for p in roles["params"]), _chunk_for(device, chunk))
-    pieces = [layout.pieces(roles[name], name, name == "steps") if roles[name] else []
+    pieces = [layout.pieces(roles[name], name == "steps") if roles[name] else []
               for name in names]
     scratch = {r: layout.scratch(device, dtype, r) for r, n in enumerate(narrow) if n}
     _chunks(layout, pieces, scratch, [r for r in scratch if names[r] in written], call)
@@ -279,6 +284,12 @@ def _groups(params: Sequence[Tensor], *others: Sequence[Tensor] | None
     """The parameters' indices by device and compute dtype (the widest of a parameter's
     tensors: what it updates, its gradient and its states): one fused call, or one loop of
     chunks, each."""
+    kinds = [{(t.device, t.dtype) for t in tensors} for tensors in (params, *others) if tensors]
+    if all(len(kind) == 1 for kind in kinds):  # (the usual case: one dtype a role)
+        device, dtype = next(iter(kinds[0]))
+        for kind in kinds[1:]:
+            dtype = torch.promote_types(dtype, next(iter(kind))[1])
+        return {(device, dtype): list(range(len(params)))}
     out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, p in enumerate(params):
         dtype = p.dtype
@@ -295,11 +306,8 @@ def _pick(values: Sequence[Tensor] | None, index: list[int]) -> list[Tensor]:
 
 def _require_fused(device: torch.device, what: str) -> None:
     if not fused_available(device):
-        from torch.optim import optimizer
-
-        devices = optimizer._get_fused_kernels_supported_devices()  # type: ignore[attr-defined]
         raise ValueError(f"{what} runs torch's fused kernels, which torch has for device types "
-                         f"{', '.join(devices)}; received parameters on {device}.")
+                         f"{', '.join(_fused_devices())}; received parameters on {device}.")
 
 
 @torch.no_grad()
@@ -342,6 +350,14 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
         torch._foreach_sub_(list(steps), [found_inf] * len(steps))
 
 
+def _distributed(params: list[Tensor]) -> bool:
+    """Whether any parameter is a DTensor (then each of its tensors must be one, placed alike;
+    a plain parameter's tensors are plain)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def _local(tensors: list[Tensor], params: list[Tensor], name: str, index: list[int]
            ) -> list[Tensor]:
     """Each DTensor's local shard: the step is elementwise, so each rank steps its own shard
@@ -379,8 +395,10 @@ def _prepare(lists: dict[str, Sequence[Tensor] | None], what: str, chunk: int | 
     for (device, dtype), index in _groups(lists["params"] or [], *state).items():
         _require_fused(device, what)
         params = _pick(lists["params"], index)
-        roles = {name: _local(_pick(tensors, index), params, name, index)
-                 for name, tensors in lists.items()}
+        roles = {name: _pick(tensors, index) for name, tensors in lists.items()}
+        if _distributed(params):
+            roles = {name: _local(tensors, params, name, index)
+                     for name, tensors in roles.items()}
         for name, tensors in roles.items():
             for k, t in enumerate(tensors):
                 if not t.is_contiguous() and (name != "grads" or t.dtype == dtype):
