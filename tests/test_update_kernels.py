@@ -126,6 +126,40 @@ def test_splitting_a_tensor_into_chunks_changes_no_bit() -> None:
             assert bits_equal(a, b)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_any_shapes_and_chunk_size_give_torchs_bits(seed: int) -> None:
+    """Random shapes (a tensor of exactly a chunk, one element more or fewer, empty ones) and
+    chunk sizes: the step equals torch's fused step on the upcast gradients."""
+    g = torch.Generator().manual_seed(seed)
+    chunk = 64 * int(torch.randint(1, 33, (), generator=g))
+    sizes = [chunk, chunk + 1, chunk - 1, 0, *torch.randint(1, 5000, (4,), generator=g).tolist()]
+    shapes = [(int(n),) for n in sizes[:: 1 if seed % 2 else -1]]
+    grad_dtype = (torch.bfloat16, torch.float16)[seed % 2]
+    grads = [tensors(grad_dtype, 500 + seed + k, 1e-2, shapes) for k in range(2)]
+    ours = Layout(torch.float32, torch.float32, grad_dtype, shapes)
+    for step_grads in grads:
+        kernels.adam(ours.params, step_grads, ours.exp_avgs, ours.exp_avg_sqs, [], ours.steps,
+                     decoupled=bool(seed % 3), weight_decay=0.05, stored=ours.stored,
+                     chunk=chunk, **HYPER)
+    ref = torch_adam(tensors(torch.float32, 0, shapes=shapes), grads,
+                     decoupled=bool(seed % 3), weight_decay=0.05)
+    for i, p in enumerate(ours.params):
+        assert bits_equal(p, ref["params"][i])
+        assert ours.stored is not None and bits_equal(ours.stored[i], p.to(grad_dtype))
+
+
+def test_a_found_inf_skips_a_lowbit_step_before_anything_moves() -> None:
+    p = tensors(torch.float32, 0, shapes=[(64, 128)])
+    before = p[0].clone()
+    m = [kernels.lowbit_state(p[0], "8bit", True)]
+    v = [kernels.lowbit_state(p[0], "8bit", False)]
+    steps = [torch.tensor(0.0)]
+    kernels.lowbit_adam(p, tensors(torch.bfloat16, 1, shapes=[(64, 128)]), m, v, [], steps,
+                        decoupled=True, weight_decay=0.0, found_inf=torch.tensor(1.0), **HYPER)
+    assert bits_equal(p[0], before) and steps[0].item() == 0.0
+    assert int(m[0].codes.count_nonzero()) == 0  # type: ignore[attr-defined]
+
+
 def test_bf16_state_over_fp32_masters_equals_torch_with_the_state_rounded_after_each_step(
         ) -> None:
     grads = [tensors(torch.bfloat16, 30 + k, 1e-2) for k in range(3)]
@@ -560,3 +594,20 @@ def test_lowbit_stochastic_rounding_lands_on_a_neighbour_without_bias() -> None:
     assert bool(((got == toward) | (got == away)).all())
     went_away = (got == away) & (away != toward)
     assert abs(float(went_away.float().mean()) - float(((bits & 0xFFFF) / 65536).mean())) < 0.01
+
+
+@pytest.mark.slow
+def test_lowbit_adam_divides_a_grad_scalers_scale_out_in_fp32() -> None:
+    """fp16 gradients of a loss scaled by 2**16 step as the unscaled gradients do."""
+    shapes = [(64, 128), (100,)]
+    grads = tensors(torch.float32, 600, 1e-6, shapes)
+    scale = torch.tensor(65536.0)
+    scaled = [(g * scale).half() for g in grads]
+    exact = [(s.float() / scale) for s in scaled]  # what the scaled fp16 gradient holds
+    results = []
+    for step_grads, options in ((scaled, {"grad_scale": scale}), (exact, {})):
+        out = ours_lowbit("8bit", [step_grads], shapes, decoupled=True, weight_decay=0.0,
+                          **options)
+        results.append(out)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert bits_equal(a, b)
