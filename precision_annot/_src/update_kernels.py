@@ -65,6 +65,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from precision_annot._src.float8 import import_torchao
+
 __all__ = ["CHUNK", "LowBit", "adam", "fused_available", "lowbit_adam", "lowbit_state", "sgd"]
 
 #: elements per chunk on a CPU, where a chunk's scratch stays in cache between widening and
@@ -457,8 +459,6 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
 
 
 def _torchao(name: str) -> Any:
-    from precision_annot._src.float8 import import_torchao
-
     return import_torchao(name, "a low-bit optimizer state")
 
 
