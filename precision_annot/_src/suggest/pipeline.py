@@ -34,7 +34,7 @@ from precision_annot._src.suggest.constants import (
 )
 from precision_annot._src.suggest.low import low_policies, speed_islands, warn_no_fp8_gain
 from precision_annot._src.suggest.measure import measure_modules
-from precision_annot._src.suggest.outcome import notes, outcome, warn_small
+from precision_annot._src.suggest.outcome import Batches, notes, outcome, warn_small
 from precision_annot._src.suggest.progress import Progress
 from precision_annot._src.suggest.records import LossFn, Sample
 from precision_annot._src.suggest.reference import (
@@ -149,6 +149,7 @@ def suggest(
         calib, others, rows = _calibrate(reference, sample, (args, kwargs), held_out, losses,
                                          tolerance)
         assert calib.light is not None
+        calib.room = float(margin)  # its values held to the margin of the low dtype's range
         search = Search(reference, resolve(reference), policy, island, losses,
                         first_scale(low_dtype, calib.light), tolerance, float(margin),
                         ties_of(reference), sizes_of(reference))
@@ -166,15 +167,11 @@ def suggest(
                                        frozenset(speed))
         islands, message = verify(search, others, islands, message, why, tables.on, bar,
                                   frozenset(speed), losses, reference)
-        islands = search.held_together(islands)
-        held = [search.check(islands, b, limit=tolerance, find=False)
-                for b in others if b.light]
         if measure:
             tables.on(calib)()
-        final = search.check(islands, calib, limit=tolerance * (
-            float(margin) if search.settled is None else 1.0), find=False)
-    # 4. report
-    met, message, islands = outcome(search, islands, message, final, held, speed, why)
+        # 4. report: met or not; when not, the smallest plan that runs finite and comes nearest
+        met, message, islands, final, held = outcome(
+            search, search.held_together(islands), message, Batches(calib, others), speed, why)
     verified = bool(held) and rows >= MIN_ROWS
     loss_scale = search.scale if low_dtype == fp16 else None
     message += notes(met, verified, rows, loss_scale)

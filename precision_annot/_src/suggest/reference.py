@@ -118,27 +118,29 @@ def run_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      loss_fn: LossFn | None, sample: Sample) -> Reference:
     peak = [0.0]
-    largest = [0.0]  # of a module's output in forward
+    largest: dict[str, float] = {}  # of each module's output in forward
+    names = {m: n for n, m in model.named_modules()}
 
     def on_grad(grad: torch.Tensor) -> None:
         peak[0] = max(peak[0], scan(grad.detach(), peaks=True)[1])
 
-    def hook(_: nn.Module, __: Any, out: Any) -> None:
+    def hook(module: nn.Module, __: Any, out: Any) -> None:
         leaves: list[torch.Tensor] = []
         floating_leaves(out, leaves)
+        name = names[module]
         for t in leaves:
-            largest[0] = max(largest[0], scan(t.detach(), peaks=True)[1])
+            largest[name] = max(largest.get(name, 0.0), scan(t.detach(), peaks=True)[1])
             if t.requires_grad:
                 t.register_hook(on_grad)  # type: ignore[no-untyped-call]
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
+    handles = [m.register_forward_hook(hook) for m in names]
     try:
         output, loss = _reference_step(model, args, kwargs, loss_fn, sample)
     finally:
         for handle in handles:
             handle.remove()
     return Reference(detached(output), loss, _take_gradients(model), {}, {}, {}, peak[0], {},
-                     output_peak=largest[0])
+                     output_peaks=largest)
 
 
 def _reference_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
