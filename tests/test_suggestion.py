@@ -682,8 +682,9 @@ def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
     (2e-2), at about the calibration margin (1e-2). 0.4 then took the whole encoder, ranked
     worst alone only because the overflowing `wo` sit inside it, and kept it on AVX2 (8.6e-3,
     past the margin) but not on AVX-512 (1.2e-2): the plan flipped with the CPU. A module
-    holding an island is no candidate by error, and between the margin and the tolerance an
-    island must halve the error: the plan is the two `wo` on both."""
+    holding an island is no candidate by error, an
+    island must cut the error by more than kernels move it (40%); and a plan that misses the
+    margin by less than that settles: the plan is the two `wo` on both."""
     model, wos, batch = t5_with_overflowing_wo()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -699,7 +700,8 @@ def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
     share = max(found.final.errors().values()) / found.tolerance  # the returned plan's own
     if share > found.margin:  # missed the margin: said, and why no island was added
         assert f"on the calibration batch (at {share:.2f} of the tolerance:" in found.message
-        assert "no further island brought its worst error down by 50%" in found.message
+        assert ("so it settled there" if share <= 1.4 * found.margin else
+                "did not bring its worst error down by 50%") in found.message
 
 
 @pytest.mark.slow  # 6 T5s: about 60 s
@@ -743,24 +745,30 @@ def test_when_nothing_meets_the_tolerance_the_smallest_finite_plan_is_returned()
     assert torch.isfinite(apply(copy.deepcopy(model), found.plan)(sample())).all()
 
 
-def test_an_island_must_halve_an_error_within_the_tolerance_and_hold_no_island() -> None:
-    """Between the margin and the tolerance a plan passes or misses the margin by the CPU's
-    rounding, so an island is kept only where it halves the worst error, whether or not it
-    then passes the margin; and the most sensitive module measured alone is skipped when it
-    holds an island (it was measured with the island's trouble inside)."""
+def test_an_island_by_error_must_beat_the_kernels_and_hold_no_island() -> None:
+    """Another CPU's kernels move a plan's error by up to 40%. So a plan that misses the
+    margin by less settles as it would where it passes; an island chosen by error is kept only
+    where it brings the worst error down by more than that (1.4x), and three in a row that do
+    not halve it end the search; and the most sensitive module measured alone is skipped when
+    it holds an island (it was measured with the island's trouble inside)."""
     import types
 
-    from precision_annot._src.suggest.choose import Move, _by_error, _Weigh
+    from precision_annot._src.suggest.choose import Move, _by_error, _near, _Weigh
     from precision_annot._src.suggest.report import Check, Sensitivity
 
     search = types.SimpleNamespace(tolerance=2e-2)
-    weigh = _Weigh(search, limit=1e-2)  # type: ignore[arg-type]
-    move = Move("encoder", False, "gradients", by_error=True)
-    before = Check(("wo",), ("wo",), 1e-3, 1e-5, 1.24e-2, None, False, limit=1e-2)
-    past_margin = dataclasses.replace(before, grad_error=8.6e-3, passed=True)
-    assert weigh(move, before, past_margin) == "settle"  # passes the margin, cuts 31%
-    halved = dataclasses.replace(before, grad_error=6e-3, passed=True)
-    assert weigh(move, before, halved) == "keep"
+    wo = Check(("wo",), ("wo",), 1e-3, 1e-5, 1.24e-2, None, False, limit=1e-2)  # AVX2's
+    assert _near(search, wo, 1e-2)  # type: ignore[arg-type]
+    assert not _near(search, dataclasses.replace(wo, grad_error=1.5e-2), 1e-2)  # type: ignore[arg-type]
+    assert not _near(search, wo, 2e-2)  # type: ignore[arg-type]  # held to the tolerance
+    weigh = _Weigh()
+    far = dataclasses.replace(wo, grad_error=3e-2)
+    move = Move("a", False, "gradients", by_error=True)
+    assert not weigh(move, far, dataclasses.replace(far, grad_error=2.4e-2))  # 20%: kernels'
+    assert weigh(move, far, dataclasses.replace(far, grad_error=2e-2))  # 33%: kept
+    assert not weigh.exhausted
+    assert not weigh(move, far, dataclasses.replace(far, grad_error=math.inf))
+    assert weigh.exhausted and weigh.broke == {"a"}  # 3 tries, 3e-2 -> 2e-2: not halved
 
     def row(name: str, error: float) -> Sensitivity:
         return Sensitivity(name=name, type="T", params=1, error=error, nonfinite=False,
@@ -768,7 +776,7 @@ def test_an_island_must_halve_an_error_within_the_tolerance_and_hold_no_island()
 
     table = [row("encoder", math.inf), row("encoder.block.0", math.inf),
              row("decoder.block.0.layer.0", 0.3)]
-    picked = _by_error({"encoder.block.0.ff.wo": True}, before, table, 1e-2)
+    picked = _by_error({"encoder.block.0.ff.wo": True}, wo, table, 1e-2)
     assert isinstance(picked, Move) and picked.target == "decoder.block.0.layer.0"
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.suggest.compare import finite_peak
-from precision_annot._src.suggest.constants import MAX_CHECKS, OUTSIDE
+from precision_annot._src.suggest.constants import KERNELS, MAX_CHECKS, OUTSIDE
 from precision_annot._src.suggest.plans import Islands, covering
 from precision_annot._src.suggest.progress import Progress
 from precision_annot._src.suggest.records import LossFn, Reference, Sample
@@ -21,12 +21,10 @@ from precision_annot._src.suggest.search import Search, held_to, worst_error
 _HANDED = "its output overflowed on the way out: it hands back fp32"
 _ROOM = ("its output, in the low dtype, came within the margin of that dtype's largest value: "
          "it hands back fp32")
-#: on the calibration batch, between the margin and the tolerance, an island is added only
-#: when it brings the worst error down by at least this share, whether or not it then passes
-#: the margin. Half, because a plan's error is not a property of the plan alone: the same plan
-#: measured with another CPU's kernels (AVX2 against AVX-512) moved its gradient error by up
-#: to 40%, so an island that cuts the error by less than that may only be trading one
-#: kernel set's rounding for another's, and the choice would flip between machines.
+#: islands chosen by error must together halve the worst error within FUTILE tries: a plan's
+#: error is not a property of the plan alone (the same plan measured with another CPU's
+#: kernels moves by up to 40%, KERNELS), and islands that do less may only be trading one
+#: kernel set's rounding for another's
 WORTH = 0.5
 
 
@@ -94,10 +92,16 @@ def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[],
     why: dict[str, str] = {}
     candidates = sum(1 for e in search.structure.values() if not e.container)
     last = search.check(islands, sample, limit=limit)
-    weigh = _Weigh(search, limit)
+    weigh = _Weigh()
     while not last.passed and len(search.memo) < MAX_CHECKS:
         progress.update(f"checks on the {sample.label} batch", len(search.memo),
                         min(MAX_CHECKS, candidates + 1))
+        if _near(search, last, limit):
+            # it misses the margin by less than another CPU's kernels move an error: whether
+            # it passes is up to the CPU, so it settles here, as it would where it passes
+            search.settled_near = True
+            last, limit = _settle(search, last)
+            break
         move = _next_island(search, sample, islands, last, why, measure, low_max, limit,
                             weigh.broke)
         if isinstance(move, str):
@@ -106,28 +110,34 @@ def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[],
         # a candidate chosen by its error may not be kept: where it fails, it is watched (to
         # say where) only once it is
         before, last = last, search.check(trial, sample, limit=limit, find=not move.by_error)
-        verdict = weigh(move, before, last)
-        if verdict == "broke":  # the next candidate instead
+        if weigh(move, before, last):
+            last = search.check(trial, sample, limit=limit)  # seen before, or watched
+            islands = trial
+            why[move.target] = move.reason
+        else:  # the next candidate instead
             last = before
-            continue
-        if verdict == "settle":
-            # the margin is a target, not a cliff: between it and the tolerance, an island
-            # that does not halve the error is not worth its parameters
-            search.settled = worst_error(before) / search.tolerance
-            limit = search.tolerance
-            last = held_to(before, limit)
+        if weigh.exhausted and not last.passed:
+            if not _within(search, last, limit):
+                return islands, weigh.futile(sample, last), why
+            # the margin is a target, not a cliff: within the tolerance, the plan settles
+            last, limit = _settle(search, last)
             break
-        if verdict == "futile":
-            return islands, weigh.futile(sample, last), why
-        last = search.check(trial, sample, limit=limit)  # a run of it seen before, or watched
-        islands = trial
-        why[move.target] = move.reason
     if not last.passed:
         return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks."
                          ), why
     if not prune:  # islands the batches seen before need stay
         return islands, "", why
     return _prune(search, sample, islands, limit, progress, fixed), "", why
+
+
+def _settle(search: Search, last: Check) -> tuple[Check, float]:
+    """The plan settles short of the margin: from here it is held to what it reached, with
+    the room kernels need (KERNELS), up to the tolerance, so that pruning and stepping down
+    keep what its islands gained."""
+    search.settled = worst_error(last) / search.tolerance
+    limit = min(search.tolerance, KERNELS * worst_error(last))
+    search.settled_limit = limit
+    return held_to(last, limit), limit
 
 
 def _with(islands: Islands, move: Move) -> Islands:
@@ -138,46 +148,38 @@ def _with(islands: Islands, move: Move) -> Islands:
 
 
 class _Weigh:
-    """Whether an island chosen by its error is kept.
+    """Whether an island chosen by its error is kept: only where the run stays finite and its
+    worst error comes down by more than another CPU's kernels move an error (KERNELS);
+    else the next candidate is tried instead. Once FUTILE islands by error in a row, kept or
+    not, have not halved the worst error (WORTH), more of them will not either: the search
+    is `exhausted`."""
 
-    Within the tolerance (the plan misses only the margin), the island must halve the worst
-    error, else the plan stays as it was ("settle"). Outside it, an island is kept ("keep")
-    unless the run is no longer finite or its worst error did not come down ("broke": the next
-    candidate is tried instead); and once FUTILE islands by error in a row, kept or not, have
-    not halved the worst error, more of them will not either ("futile": the search stops)."""
-
-    def __init__(self, search: Search, limit: float) -> None:
-        self.search = search
-        self.limit = limit
+    def __init__(self) -> None:
         self.broke: set[str] = set()
         self.start: float | None = None  # the worst error the current run of tries started at
         self.tries = 0
+        self.exhausted = False
 
-    def __call__(self, move: Move, before: Check, after: Check) -> str:
+    def __call__(self, move: Move, before: Check, after: Check) -> bool:
         if not move.by_error:
             self.start, self.tries = None, 0
-            return "keep"
-        if _within(self.search, before, self.limit):
-            return "keep" if worst_error(after) <= (1 - WORTH) * worst_error(before) \
-                else "settle"
+            return True
         if self.start is None:
             self.start = worst_error(before)
         self.tries += 1
-        broke = not after.finite or after.crashed is not None or (
-            worst_error(after) >= worst_error(before))
-        if not broke and worst_error(after) <= (1 - WORTH) * self.start:
+        kept = after.finite and after.crashed is None and (
+            KERNELS * worst_error(after) <= worst_error(before))
+        if kept and worst_error(after) <= (1 - WORTH) * self.start:
             self.start, self.tries = worst_error(after), 0
-        if self.tries >= FUTILE:
-            return "futile"
-        if broke:
+        self.exhausted = self.tries >= FUTILE
+        if not kept:
             self.broke.add(move.target)
-        return "broke" if broke else "keep"
+        return kept
 
-    def futile(self, sample: Sample, after: Check) -> str:
+    def futile(self, sample: Sample, last: Check) -> str:
         return (f"No plan short of the whole model in fp32 meets the tolerance: {FUTILE} "
                 f"islands chosen by their error in a row did not halve the worst error on the "
-                f"{sample.label} batch ({self.start:.2e}; the last tried: "
-                f"{worst_error(after):.2e}).")
+                f"{sample.label} batch (from {self.start:.2e}: {worst_error(last):.2e}).")
 
 
 def _next_island(search: Search, sample: Sample, islands: Islands, last: Check,
@@ -260,6 +262,12 @@ def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: fl
     # an island whose fp32 output does not fit the low dtype hands it back in fp32
     return Move(target, not fits(target), "gradients" if grads_only else "sensitive",
                 exact=True, by_error=True)
+
+
+def _near(search: Search, check: Check, limit: float) -> bool:
+    """`check` misses only the margin, and by less than kernels move an error."""
+    return _within(search, check, limit) and check.crowded is None and (
+        worst_error(check) <= KERNELS * limit)
 
 
 def _within(search: Search, check: Check, limit: float) -> bool:

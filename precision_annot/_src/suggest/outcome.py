@@ -6,8 +6,8 @@ import math
 import warnings
 
 from precision_annot._src.dtypes import dtype_name
-from precision_annot._src.suggest.choose import WORTH
-from precision_annot._src.suggest.constants import MIN_ROWS
+from precision_annot._src.suggest.choose import FUTILE, WORTH
+from precision_annot._src.suggest.constants import KERNELS, MIN_ROWS
 from precision_annot._src.suggest.plans import Islands, islands_key
 from precision_annot._src.suggest.records import Sample
 from precision_annot._src.suggest.report import Check
@@ -28,8 +28,9 @@ class Batches:
         for batch in self.others:
             search.light(batch)
         held = [search.check(islands, b, limit=tolerance, find=False) for b in self.others]
-        final = search.check(islands, self.calib, limit=tolerance * (
-            search.margin if search.settled is None else 1.0), find=False)
+        final = search.check(islands, self.calib, limit=tolerance * search.margin
+                             if search.settled_limit is None else search.settled_limit,
+                             find=False)
         return final, held
 
 
@@ -150,8 +151,12 @@ def _met_message(search: Search, islands: Islands, final: Check, held: list[Chec
     margin = search.margin
     share = max(final.errors().values()) / search.tolerance  # the plan's own, after pruning
     at = (f"within {margin:g} of the tolerance" if search.settled is None else
-          f"at {share:.2f} of the tolerance: no further island brought its worst error "
-          f"down by {WORTH:.0%}, so the {margin:g} margin stayed a target")
+          f"at {share:.2f} of the tolerance: it missed the {margin:g} margin by less than "
+          f"another CPU's kernels move an error ({KERNELS - 1:.0%}), so it settled there"
+          if search.settled_near else
+          f"at {share:.2f} of the tolerance: {FUTILE} islands chosen by error in a row did "
+          f"not bring its worst error down by {WORTH:.0%}, so the {margin:g} margin stayed a "
+          "target")
     message = (f"The plan meets the tolerance with {count} island{'' if count == 1 else 's'}, "
                f"on the calibration batch ({at}) and on {len(held)} held-out batch"
                f"{'' if len(held) == 1 else 'es'}.")

@@ -58,6 +58,11 @@ class Search:
         #: the share of the tolerance the calibration batch settled at, when no island
         #: brought it to the margin by enough to be worth its parameters (None: it reached it)
         self.settled: float | None = None
+        #: it settled without seeking an island: it missed the margin by less than kernels
+        #: move an error
+        self.settled_near = False
+        #: the limit the calibration batch is held to once it settled
+        self.settled_limit: float | None = None
 
     def held_together(self, islands: Islands) -> Islands:
         """The islands with every owner of a parameter they share with a module outside: a
