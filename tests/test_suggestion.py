@@ -701,7 +701,7 @@ def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
     if share > found.margin:  # missed the margin: said, and why no island was added
         assert f"on the calibration batch (at {share:.2f} of the tolerance:" in found.message
         assert ("so it settled there" if share <= 1.4 * found.margin else
-                "did not bring its worst error down by 50%") in found.message
+                "did not bring its worst error down by more than") in found.message
 
 
 @pytest.mark.slow  # 6 T5s: about 60 s
@@ -748,9 +748,10 @@ def test_when_nothing_meets_the_tolerance_the_smallest_finite_plan_is_returned()
 def test_an_island_by_error_must_beat_the_kernels_and_hold_no_island() -> None:
     """Another CPU's kernels move a plan's error by up to 40%. So a plan that misses the
     margin by less settles as it would where it passes; an island chosen by error is kept only
-    where it brings the worst error down by more than that (1.4x), and three in a row that do
-    not halve it end the search; and the most sensitive module measured alone is skipped when
-    it holds an island (it was measured with the island's trouble inside)."""
+    where it brings the worst error down by more than that (1.4x); three in a row that do not
+    halve it end the search, and one not kept where the plan is within the tolerance; and the
+    most sensitive module measured alone is skipped when it holds an island (it was measured
+    with the island's trouble inside)."""
     import types
 
     from precision_annot._src.suggest.choose import Move, _by_error, _near, _Weigh
@@ -769,6 +770,9 @@ def test_an_island_by_error_must_beat_the_kernels_and_hold_no_island() -> None:
     assert not weigh.exhausted
     assert not weigh(move, far, dataclasses.replace(far, grad_error=math.inf))
     assert weigh.exhausted and weigh.broke == {"a"}  # 3 tries, 3e-2 -> 2e-2: not halved
+    within = _Weigh()  # a plan within the tolerance: one island not kept, and it settles
+    assert not within(move, wo, dataclasses.replace(wo, grad_error=1e-2), within=True)
+    assert within.exhausted
 
     def row(name: str, error: float) -> Sensitivity:
         return Sensitivity(name=name, type="T", params=1, error=error, nonfinite=False,

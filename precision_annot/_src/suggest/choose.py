@@ -110,7 +110,7 @@ def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[],
         # a candidate chosen by its error may not be kept: where it fails, it is watched (to
         # say where) only once it is
         before, last = last, search.check(trial, sample, limit=limit, find=not move.by_error)
-        if weigh(move, before, last):
+        if weigh(move, before, last, within=_within(search, before, limit)):
             last = search.check(trial, sample, limit=limit)  # seen before, or watched
             islands = trial
             why[move.target] = move.reason
@@ -150,9 +150,10 @@ def _with(islands: Islands, move: Move) -> Islands:
 class _Weigh:
     """Whether an island chosen by its error is kept: only where the run stays finite and its
     worst error comes down by more than another CPU's kernels move an error (KERNELS);
-    else the next candidate is tried instead. Once FUTILE islands by error in a row, kept or
-    not, have not halved the worst error (WORTH), more of them will not either: the search
-    is `exhausted`."""
+    else the next candidate is tried instead. The search is `exhausted` once FUTILE islands
+    by error in a row, kept or not, have not halved the worst error (WORTH): more of them
+    will not either; and for a plan already within the tolerance (missing only the margin),
+    at the first island not kept: each try costs a step, for room the plan does not need."""
 
     def __init__(self) -> None:
         self.broke: set[str] = set()
@@ -160,7 +161,7 @@ class _Weigh:
         self.tries = 0
         self.exhausted = False
 
-    def __call__(self, move: Move, before: Check, after: Check) -> bool:
+    def __call__(self, move: Move, before: Check, after: Check, within: bool = False) -> bool:
         if not move.by_error:
             self.start, self.tries = None, 0
             return True
@@ -171,7 +172,7 @@ class _Weigh:
             KERNELS * worst_error(after) <= worst_error(before))
         if kept and worst_error(after) <= (1 - WORTH) * self.start:
             self.start, self.tries = worst_error(after), 0
-        self.exhausted = self.tries >= FUTILE
+        self.exhausted = self.tries >= FUTILE or (within and not kept)
         if not kept:
             self.broke.add(move.target)
         return kept

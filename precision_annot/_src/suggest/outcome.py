@@ -6,7 +6,7 @@ import math
 import warnings
 
 from precision_annot._src.dtypes import dtype_name
-from precision_annot._src.suggest.choose import FUTILE, WORTH
+from precision_annot._src.suggest.choose import WORTH
 from precision_annot._src.suggest.constants import KERNELS, MIN_ROWS
 from precision_annot._src.suggest.plans import Islands, islands_key
 from precision_annot._src.suggest.records import Sample
@@ -154,9 +154,9 @@ def _met_message(search: Search, islands: Islands, final: Check, held: list[Chec
           f"at {share:.2f} of the tolerance: it missed the {margin:g} margin by less than "
           f"another CPU's kernels move an error ({KERNELS - 1:.0%}), so it settled there"
           if search.settled_near else
-          f"at {share:.2f} of the tolerance: {FUTILE} islands chosen by error in a row did "
-          f"not bring its worst error down by {WORTH:.0%}, so the {margin:g} margin stayed a "
-          "target")
+          f"at {share:.2f} of the tolerance: the next island chosen by error did not bring "
+          f"its worst error down by more than another CPU's kernels move it ({KERNELS - 1:.0%})"
+          f", so the {margin:g} margin stayed a target")
     message = (f"The plan meets the tolerance with {count} island{'' if count == 1 else 's'}, "
                f"on the calibration batch ({at}) and on {len(held)} held-out batch"
                f"{'' if len(held) == 1 else 'es'}.")
