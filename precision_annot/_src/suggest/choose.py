@@ -220,7 +220,14 @@ def _by_culprit(search: Search, sample: Sample, islands: Islands, culprit: str,
         target, out32 = _climb(structure, search.full(sample), owner or culprit, low_max)
         return Move(target, out32, "an island's fp32 output overflowed its caller") \
             if target else _NO_CALLER
-    return Move(culprit, False, "a non-finite value arose in it") if culprit else _NO_ROOT
+    if not culprit:
+        return _NO_ROOT
+    if not _fits(sample, low_max)(culprit):
+        # its fp32 output does not fit the low dtype with room to spare: handed back in it,
+        # it would overflow on the way out, so it hands back fp32 from the start (a check
+        # saved per such culprit)
+        return Move(culprit, True, _HANDED)
+    return Move(culprit, False, "a non-finite value arose in it")
 
 
 def _by_room(islands: Islands, name: str) -> Move | str:
