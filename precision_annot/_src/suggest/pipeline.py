@@ -106,8 +106,9 @@ def suggest(
         held_out: batches to verify the plan on. None cuts `sample` along its first dimension:
             the first half calibrates, the second half (in two) is held out; [] holds nothing
             out. (Default: None)
-        margin: the share of the tolerance the calibration batch is held to, so that the plan
-            keeps room on batches it was not chosen on. (Default: 0.5)
+        margin: the share of the tolerance the calibration batch is held to, and the share
+            of the low dtype's largest value its module outputs held in that dtype may reach,
+            so that the plan keeps room on batches it was not chosen on. (Default: 0.5)
         measure: run every module alone in `low` for the table and the chart, even when the
             checks did not need it (about one forward in `low` per level of the module tree).
             (Default: False)
@@ -116,7 +117,9 @@ def suggest(
 
     Returns:
         A `Suggestion`. When nothing smaller than the whole model meets the tolerance, its
-        `met` is False and its message says why; a `UserWarning` says so too.
+        `met` is False and its message says why; a `UserWarning` says so too. Its plan is
+        then the smallest tried that runs finite on every batch (a larger one only where it
+        halves the worst error), with the errors it reaches.
 
     Warns:
         UserWarning: when the sample has fewer than 16 rows (tokens, samples) or too few to
