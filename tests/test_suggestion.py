@@ -863,6 +863,31 @@ def test_a_plan_whose_values_reach_near_fp16s_largest_on_calibration_data_is_not
     assert found.met and found.islands == [] and found.checks[0].crowded is None
 
 
+def test_a_model_whose_own_output_comes_near_fp16s_largest_value_is_not_met_and_says_so() -> None:
+    """The root's own output reaches 61% of 65504 on the calibration batch: no island can
+    give it room (the root is never one), so the plan is not met, the smallest plan that runs
+    finite is returned, and its message says that room, not error, is what it misses."""
+    class Loud(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y / y.abs().max().detach() * 40000
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="the root cannot be an island"):
+        found = suggest(Loud(), torch.randn(64, 8), low="16-mixed",
+                        loss_fn=lambda out: out.float().pow(2).mean() * 1e-9)
+    assert not found.met and found.islands == []
+    assert found.final.crowded is not None and found.final.crowded[0] == ""
+    assert max(found.final.errors().values()) < found.tolerance  # errors within: room is not
+    assert "What it misses is room: the model's output, in fp16, reaches 61%" in found.message
+    data = json.loads(found.to_json())
+    assert data["path"][0]["crowded"]["module"] == "" and data["path"][0]["failed"] == ["range"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_watch_scan_counts_and_peaks_as_an_exact_pass_does(dtype: torch.dtype) -> None:
     """The watched runs read one reduction per op when every value is finite; where one is

@@ -64,7 +64,8 @@ def _crowding(search: Search, check: Check) -> str:
     if check.crowded is None:
         return ""
     name, share = check.crowded
-    return (f"; {name or 'the model'!r}'s output, in {dtype_name(search.policy.compute)}, "
+    return (f"; {repr(name) if name else 'the model'}'s output, in "
+            f"{dtype_name(search.policy.compute)}, "
             f"reaches {share:.0%} of its largest value, past the {search.margin:g} margin")
 
 
@@ -126,11 +127,15 @@ def _nearest_message(search: Search, final: Check, held: list[Check]) -> str:
     total = search.sizes.get("", 0)
     share = f", {final.fp32_params / total:.1%} of the parameters" if total else ""
     count = len(final.islands)
-    return (f" Returned: the smallest plan that runs finite on every batch and comes nearest "
+    said = (f" Returned: the smallest plan that runs finite on every batch and comes nearest "
             f"({count} island{'' if count == 1 else 's'}{share}): its worst error is "
             f"{error:.2e} ({error / search.tolerance:.2f} of the tolerance, on the "
-            f"{worst.sample} batch). Use it at a tolerance of {error:.2g} or more, or keep "
-            "the model in fp32.")
+            f"{worst.sample} batch).")
+    if error > search.tolerance:
+        return said + f" Use it at a tolerance of {error:.2g} or more, or keep the model in fp32."
+    crowded = next((c for c in [final, *held] if c.crowded is not None), None)
+    return said + ("" if crowded is None else _crowding(search, crowded).replace(
+        "; ", " What it misses is room: ", 1) + ".")
 
 
 def _whole_model(search: Search, islands: Islands, speed: list[str]) -> str:
