@@ -119,10 +119,10 @@ def run_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      loss_fn: LossFn | None, sample: Sample) -> Reference:
     peak = [0.0]
-    largest = [0.0]  # of a module's output in forward
+    largest: dict[str, float] = {}  # of each module's output in forward
 
     def on_output(r: Returned, t: torch.Tensor, module: nn.Module, a: tuple[Any, ...]) -> None:
-        largest[0] = max(largest[0], scan(t.detach(), peaks=True)[1])
+        largest[r.name] = max(largest.get(r.name, 0.0), scan(t.detach(), peaks=True)[1])
 
     def on_grad(r: Returned, grad: torch.Tensor) -> None:
         peak[0] = max(peak[0], scan(grad.detach(), peaks=True)[1])
@@ -130,7 +130,7 @@ def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     with Recorder(dict(model.named_modules()), on_output, on_grad):
         output, loss = _reference_step(model, args, kwargs, loss_fn, sample)
     return Reference(detached(output), loss, _take_gradients(model), {}, {}, {}, peak[0], {},
-                     output_peak=largest[0])
+                     output_peaks=largest)
 
 
 def _reference_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
