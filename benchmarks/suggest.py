@@ -12,6 +12,9 @@ shared machine).
   spirit of ModelOpt's AutoCast rule on outputs), handing back the low dtype;
 - transformers: the model's `_keep_in_fp32_modules` (T5: `wo`) through
   `adapters.transformers.rules`;
+
+and three model classes from transformers as they come (GPT-2, Llama, T5 from small configs,
+random weights, nothing planted), for what `suggest` costs on models written elsewhere.
 - autocast: everything in the low dtype.
 
 Run: `python benchmarks/suggest.py [--quick]`.
@@ -121,6 +124,27 @@ def lm(**kwargs: Any) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
     return LM(**kwargs), lm_loss
 
 
+def transformers_model(kind: str) -> tuple[nn.Module, Callable[..., torch.Tensor]]:
+    """A model class from transformers, from a small config (random weights, seed 0), as it
+    comes: nothing planted. Its loss is its own (`labels` in the batch)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "GPT-2":
+        model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=256, n_positions=64, n_embd=128, n_layer=4, n_head=4,
+            bos_token_id=0, eos_token_id=0))
+    elif kind == "Llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    else:
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=256, d_model=128, d_ff=256, d_kv=32, num_layers=4, num_heads=4,
+            decoder_start_token_id=0))
+    return model, lambda out, batch: out.loss
+
+
 CASES: dict[str, Callable[[], tuple[nn.Module, Callable[..., torch.Tensor]]]] = {
     "no hot spot": lm,
     "T5, 2 overflowing wo": t5,
@@ -128,6 +152,9 @@ CASES: dict[str, Callable[[], tuple[nn.Module, Callable[..., torch.Tensor]]]] = 
     "overflowing LM head": lambda: lm(head_gain=2.0 ** 15),
     "2 overflowing feed-forwards": lambda: lm(hidden=[1, 2.0 ** 17, 1, 1, 2.0 ** 17, 1]),
     "bf16 norm over an offset": offset_norm,
+    "transformers GPT-2": lambda: transformers_model("GPT-2"),
+    "transformers Llama": lambda: transformers_model("Llama"),
+    "transformers T5": lambda: transformers_model("T5"),
 }
 #: (low, tolerance) where a case runs in another dtype than LOW: one that only running each
 #: module alone finds (nothing is non-finite)
@@ -139,8 +166,8 @@ def batches(kind: str, n: int) -> list[Any]:
     out = []
     for _ in range(n):
         ids = torch.randint(0, 256, (16, 32), generator=g)
-        out.append({"input_ids": ids, "labels": ids[:, :8].contiguous()} if kind.startswith(
-            "T5") else ids)
+        out.append({"input_ids": ids, "labels": ids[:, :8].contiguous()} if "T5" in kind else
+                   {"input_ids": ids, "labels": ids} if kind.startswith("transformers") else ids)
     return out
 
 
@@ -224,6 +251,7 @@ def fp32_step_seconds(model: nn.Module, batch: Any, loss_fn: Callable[..., torch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition")
+    parser.add_argument("cases", nargs="*", help="the cases to run (default: all)")
     args = parser.parse_args()
     reps = 1 if args.quick else 3
     print(f"torch {torch.__version__}, python {platform.python_version()}, "
@@ -232,6 +260,8 @@ def main() -> None:
     header = f"{'case':<28} {'method':<12} {'fp32 params':>11} {'holds on held-out':>18}"
     print(header + f" {'cost (fp32 steps): median [range]':>34}")
     for case, make in CASES.items():
+        if args.cases and case not in args.cases:
+            continue
         model, loss_fn = make()
         low, tolerance = SETTINGS.get(case, (LOW, TOLERANCE))
         sample, *held = batches(case, 4)
@@ -256,7 +286,7 @@ def main() -> None:
         low_step = fp32_step_seconds(apply(copy.deepcopy(model), default=low), sample, loss_fn, 5)
         thr = threshold_plan(model, sample)
         rows.append(("threshold", share(model, resolve(thr, low)), apply(thr, default=low), "-"))
-        if case.startswith("T5"):
+        if "T5" in case:
             from precision_annot.adapters import transformers as hf
 
             listed = annotate(copy.deepcopy(model), hf.rules(model))

@@ -15,15 +15,18 @@ def model() -> nn.Sequential:
 
 def test_bad_arguments_name_the_argument_and_the_valid_values() -> None:
     with pytest.raises(ValueError, match=r"backend must be None or one of \['local', "
-                                         r"'deepspeed', 'fsdp', 'fsdp1', 'ddp', 'lightning'\]. "
-                                         r"Received: backend='horovod'"):
+                                         r"'deepspeed', 'fsdp', 'fsdp1', 'ddp', 'lightning', "
+                                         r"'tp', 'checkpoint'\]. Received: backend='horovod'"):
         check(model(), "horovod")
     with pytest.raises(ValueError, match=r"backend='local' has unknown key 'stage'; valid: "
-                                         r"\['grad_scaler', 'optimizer'\]"):
+                                         r"\['grad_scaler', 'optimizer', 'fp8'\]"):
         check(model(), "local", {"stage": 2})
     with pytest.raises(ValueError, match=r"unknown key 'bucket_cap'; valid: \['bucket_cap_mb', "
-                                         r"'grad_scaler', 'optimizer'\]"):
+                                         r"'grad_scaler', 'optimizer', 'fp8'\]"):
         check(model(), "ddp", {"bucket_cap": 25})
+    with pytest.raises(ValueError, match=r"config 'fp8' says who converts the fp8 layers, one of "
+                                         r"\['apply', 'accelerate'\]. Received: fp8='torchao'"):
+        check(model(), "ddp", {"fp8": "torchao"})
     with pytest.raises(TypeError, match=r"config for backend='fsdp' is a dict"):
         check(model(), "fsdp", 0.01)
     with pytest.raises(TypeError, match=r"model_or_plan must be an nn.Module or a PrecisionPlan"):

@@ -235,7 +235,7 @@ def test_check_exit_status_gates_on_errors(tmp_path: Path,
     assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["lightning-no-plugin"]
     assert main(["check", target, "--backend", "fsdp", "--config", trainer]) == 2
     assert ("unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth', "
-            "'grad_scaler', 'optimizer']") in capsys.readouterr().err
+            "'grad_scaler', 'optimizer', 'fp8']") in capsys.readouterr().err
     for backend in ("deepspeed", "lightning"):  # a missing file is bad input, not a finding
         assert main(["check", target, "--backend", backend, "--config", "gone.json"]) == 2
         assert "--config: no file at 'gone.json'" in capsys.readouterr().err
@@ -294,3 +294,32 @@ def test_check_takes_an_inline_config_with_units(capsys: pytest.CaptureFixture[s
                  '{"units": ["blocks.*"], "merge_below": 0.01}']) == 0
     assert main(["check", TARGET, "--backend", "fsdp", "--config", '{"units": [']) == 2
     assert "--config: not a JSON object" in capsys.readouterr().err
+
+
+def test_check_reads_a_checkpoint_before_it_is_loaded(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """`--backend checkpoint`: the checkpoint's path as --config (or '{"path": ...}'), a plan
+    file or a model as the target; a bf16 checkpoint of the fp32 norm is an error (exit 1)."""
+    (tmp_path / "islands.py").write_text(ISLANDS)
+    target = f"{tmp_path / 'islands.py'}:make"
+    from torch import nn
+
+    from precision_annot import precision
+
+    model = nn.Sequential(nn.Linear(8, 8), precision("fp32")(nn.LayerNorm(8)), nn.Linear(8, 8))
+    plan = resolve(model, "bf16-true")
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    own = {k: v.to(plan[k.rpartition(".")[0]].policy.storage) for k, v in
+           model.state_dict().items()}
+    torch.save(own, tmp_path / "own.pt")
+    torch.save({k: v.bfloat16() for k, v in model.state_dict().items()}, tmp_path / "bf16.pt")
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "plan.json"), "--backend", "checkpoint", "--config",
+                 str(tmp_path / "bf16.pt")]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.rsplit("[", 1)[1] for line in out] == ["checkpoint-narrowed]"] * 2
+    assert "'1.weight' in bf16, and the plan keeps it in fp32" in out[0]
+    config = json.dumps({"path": str(tmp_path / "own.pt")})
+    assert main(["check", target, "--default", "bf16-true", "--backend", "checkpoint",
+                 "--config", config]) == 0
+    assert capsys.readouterr().out == ""

@@ -199,18 +199,15 @@ def test_non_persistent_buffers_keep_the_dtype_they_were_built_in() -> None:
     assert rotary.inv_freq.dtype == fp32 and rotary.scale.dtype == fp32
 
 
-@pytest.mark.parametrize("drift", ["half", "to", "assign"])
+@pytest.mark.parametrize("drift", ["half", "to"])
 def test_apply_again_restores_the_plan_after_dtypes_drift(drift: str) -> None:
     model = _island()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
     plan = resolve(model, default="bf16")
     apply(model, plan)
     if drift == "half":
         model.half()
-    elif drift == "to":
-        model.to(torch.float64)
     else:
-        model.load_state_dict(state, assign=True)  # fp32 tensors replace the parameters
+        model.to(torch.float64)
     assert model[0].weight.dtype != bf16
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -434,8 +431,9 @@ def test_a_conversion_after_apply_is_said_once_and_names_a_tensor() -> None:
         model.to("cpu")  # a move that keeps the dtypes says nothing
     assert model.encoder.norm.weight.dtype == fp32
     state = {k: v.to(bf16) for k, v in model.state_dict().items()}
-    with pytest.warns(UserWarning, match="load_state_dict changed tensors"):
-        model.load_state_dict(state, assign=True)
+    with pytest.warns(UserWarning, match="narrower than the plan keeps them"):
+        model.load_state_dict(state, assign=True)  # the fp32 norm saved in bf16: said
+    assert model.encoder.norm.weight.dtype == fp32  # and kept as planned
     remove(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

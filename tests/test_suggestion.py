@@ -99,18 +99,20 @@ def test_an_overflowing_intermediate_is_kept_fp32_and_harmless_layers_stay_low()
     found = suggest(model, sample(), low="fp16", loss_fn=mse)
     assert found.met and found.islands == ["middle"]
     assert found.rules == [("middle", "fp32")]
-    # wi overflows first; as an island its output overflows on the way out, so it hands back
-    # fp32, which wo (pure fp16, no autocast) cannot take: the island moves up to its parent,
-    # whose output fits fp16. No plan is run twice (pruning finds () already checked). Then
-    # the children of the island that may stand in for it are tried, handing back fp32: its
-    # own code overflows (relu of wi's output, in the fp32 run), so only wi, whose output
-    # that value was computed from, may; it was checked already, and wo is not tried
+    # wi overflows first; its fp32 output (recorded by the plain fp32 run) passes 65504, so
+    # as an island it hands back fp32 from the start (handing back fp16 would overflow on the
+    # way out: 0.4 ran that plan to find out), which wo (pure fp16, no autocast) cannot take:
+    # the island moves up to its parent, whose output fits fp16. No plan is run twice
+    # (pruning finds () already checked). Then the children of the island that may stand in
+    # for it are tried, handing back fp32: its own code overflows (relu of wi's output, in
+    # the fp32 run), so only wi, whose output that value was computed from, may; it was
+    # checked already, and wo is not tried
     calibration = [(c.islands, c.outputs, c.passed) for c in found.checks
                    if c.sample == "calibration"]
-    assert calibration == [((), (), False), (("middle.wi",), (), False),
-                           (("middle.wi",), ("middle.wi",), False), (("middle",), (), True)]
+    assert calibration == [((), (), False), (("middle.wi",), ("middle.wi",), False),
+                           (("middle",), (), True)]
     assert found.checks[0].first_nonfinite == "middle.wi"
-    assert "mat1 and mat2 must have the same dtype" in str(found.checks[2].crashed)
+    assert "mat1 and mat2 must have the same dtype" in str(found.checks[1].crashed)
     assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
     assert all(c.passed for c in found.held_out)
     assert found.table == []  # every island came from where a non-finite value arose
@@ -658,24 +660,34 @@ def test_an_moe_whose_router_needs_fp32_keeps_the_router_not_the_layer() -> None
         assert (routed(x.bfloat16()).float().argmax(-1) == want).float().mean() > 0.95
 
 
-def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
-    """A T5 (seed and batch other than the benchmark's) whose two encoder `wo` overflow fp16.
-    Handing both back in fp32 leaves a gradient error of 1.26e-2: within the tolerance (2e-2),
-    above the calibration margin (1e-2). The next candidate, the whole encoder, measured worst
-    alone only because the overflowing `wo` sit inside it, and it brings the error down by
-    14%, not by the fifth that would be worth its parameters: the plan settles at the two
-    `wo` (13% of the parameters, not 42%) and holds on the held-out batches."""
+def t5_with_overflowing_wo(d_model: int = 64, layers: int = 2, seed: int = 1
+                           ) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
+    """A T5 from a small config whose first two encoder `wo` layers are scaled past fp16's
+    range, and a batch of 48 sequences with labels."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(1)
-    config = transformers.T5Config(vocab_size=256, d_model=64, d_ff=256, d_kv=16, num_layers=2,
-                                   num_heads=4, decoder_start_token_id=0)
+    torch.manual_seed(seed)
+    config = transformers.T5Config(vocab_size=256, d_model=d_model, d_ff=4 * d_model,
+                                   d_kv=d_model // 4, num_layers=layers, num_heads=4,
+                                   decoder_start_token_id=0)
     model = transformers.T5ForConditionalGeneration(config)
     wos = [n for n, _ in model.named_modules() if n.endswith("DenseReluDense.wo")][:2]
     with torch.no_grad():
         for name in wos:
             model.get_submodule(name).weight.mul_(2.0 ** 17)
-    ids = torch.randint(0, 256, (48, 32), generator=torch.Generator().manual_seed(11))
-    batch = {"input_ids": ids, "labels": ids[:, :8].contiguous()}
+    ids = torch.randint(0, 256, (48, 32), generator=torch.Generator().manual_seed(10 + seed))
+    return model, wos, {"input_ids": ids, "labels": ids[:, :8].contiguous()}
+
+
+def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
+    """A T5 whose two encoder `wo` overflow fp16. Handing both back in fp32 leaves a gradient
+    error of 1.09e-2 with AVX-512 kernels and 1.24e-2 with AVX2 ones: within the tolerance
+    (2e-2), at about the calibration margin (1e-2). 0.4 then took the whole encoder, ranked
+    worst alone only because the overflowing `wo` sit inside it, and kept it on AVX2 (8.6e-3,
+    past the margin) but not on AVX-512 (1.2e-2): the plan flipped with the CPU. A module
+    holding an island is no candidate by error, an
+    island must cut the error by more than kernels move it (40%); and a plan that misses the
+    margin by less than that settles: the plan is the two `wo` on both."""
+    model, wos, batch = t5_with_overflowing_wo()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         found = suggest(model, batch, low="16-mixed", loss_fn=lambda out, b: out.loss)
@@ -683,13 +695,95 @@ def test_t5_with_two_overflowing_wo_keeps_them_not_the_encoder() -> None:
     assert sorted(found.outputs) == sorted(wos)
     total = sum(p.numel() for p in model.parameters())
     assert found.final.fp32_params / total < 0.2
-    assert 1e-2 < found.final.grad_error < 2e-2  # past the margin, within the tolerance
+    assert found.final.grad_error < 2e-2
     assert all(c.passed and c.limit == 2e-2 for c in found.held_out)
-    assert "no further island brought its worst error down by 20%" in found.message
+    # no plan tried holds an ancestor of a `wo` (the encoder, a block, a layer)
+    assert not any(w.startswith(i + ".") for c in found.checks for i in c.islands for w in wos)
     share = max(found.final.errors().values()) / found.tolerance  # the returned plan's own
-    assert f"on the calibration batch (at {share:.2f} of the tolerance:" in found.message
-    encoder = next(c for c in found.checks if "encoder" in c.islands)
-    assert encoder.grad_error > 0.8 * found.final.grad_error  # what it would have added
+    if share > found.margin:  # missed the margin: said, and why no island was added
+        assert f"on the calibration batch (at {share:.2f} of the tolerance:" in found.message
+        assert ("so it settled there" if share <= 1.4 * found.margin else
+                "did not bring its worst error down by more than") in found.message
+
+
+@pytest.mark.slow  # 6 T5s: about 60 s
+@pytest.mark.parametrize(("d_model", "layers", "seed"), [
+    (64, 3, 1), (64, 6, 0), (64, 6, 3), (64, 4, 2), (32, 4, 1), (128, 2, 1)])
+def test_t5_of_other_sizes_and_seeds_keeps_the_two_wo(d_model: int, layers: int,
+                                                       seed: int) -> None:
+    """0.4 returned the whole encoder for the first three (44% of the parameters in fp32):
+    stepping down from it tries one child at a time, and no single child holds both `wo`."""
+    model, wos, batch = t5_with_overflowing_wo(d_model, layers, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found = suggest(model, batch, low="16-mixed", loss_fn=lambda out, b: out.loss)
+    assert found.met and sorted(found.islands) == sorted(wos) == sorted(found.outputs)
+    assert not any(w.startswith(i + ".") for c in found.checks for i in c.islands for w in wos)
+
+
+def test_when_nothing_meets_the_tolerance_the_smallest_finite_plan_is_returned() -> None:
+    """At a tolerance below what fp16 rounding allows (1e-4): `middle.wi` must hand back fp32
+    and `middle.wo` stay fp32 for the run to be finite; islands chosen by error after that
+    bring the error down by a tenth at most, so the search stops after three, and the plan
+    returned is the smallest that runs finite, with the error it reaches on every batch, not
+    a larger plan that still misses."""
+    torch.manual_seed(0)
+    model = Net(FeedForward())
+    with pytest.warns(UserWarning, match=r"No plan short of the whole model.*3 islands chosen "
+                      r"by their error in a row did not halve.*Returned: the smallest plan"):
+        found = suggest(model, sample(), low="16-mixed", loss_fn=mse, tolerance=1e-4)
+    assert not found.met
+    finite = [c for c in found.checks if c.finite]
+    smallest = min(finite, key=lambda c: c.fp32_params)
+    assert sorted(found.islands) == sorted(smallest.islands) == ["middle.wi", "middle.wo"]
+    larger = [c for c in finite if c.fp32_params > smallest.fp32_params]
+    assert larger and not any(c.passed for c in larger)  # tried, and missed too
+    # its errors on every batch, reported
+    assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
+    checks = [found.final, *found.held_out]
+    assert all(c.finite and c.islands == found.final.islands for c in checks)
+    worst = max(max(c.errors().values()) for c in checks)
+    assert f"its worst error is {worst:.2e}" in found.message
+    assert torch.isfinite(apply(copy.deepcopy(model), found.plan)(sample())).all()
+
+
+def test_an_island_by_error_must_beat_the_kernels_and_hold_no_island() -> None:
+    """Another CPU's kernels move a plan's error by up to 40%. So a plan that misses the
+    margin by less settles as it would where it passes; an island chosen by error is kept only
+    where it brings the worst error down by more than that (1.4x); three in a row that do not
+    halve it end the search, and one not kept where the plan is within the tolerance; and the
+    most sensitive module measured alone is skipped when it holds an island (it was measured
+    with the island's trouble inside)."""
+    import types
+
+    from precision_annot._src.suggest.choose import Move, _by_error, _near, _Weigh
+    from precision_annot._src.suggest.report import Check, Sensitivity
+
+    search = types.SimpleNamespace(tolerance=2e-2)
+    wo = Check(("wo",), ("wo",), 1e-3, 1e-5, 1.24e-2, None, False, limit=1e-2)  # AVX2's
+    assert _near(search, wo, 1e-2)  # type: ignore[arg-type]
+    assert not _near(search, dataclasses.replace(wo, grad_error=1.5e-2), 1e-2)  # type: ignore[arg-type]
+    assert not _near(search, wo, 2e-2)  # type: ignore[arg-type]  # held to the tolerance
+    weigh = _Weigh()
+    far = dataclasses.replace(wo, grad_error=3e-2)
+    move = Move("a", False, "gradients", by_error=True)
+    assert not weigh(move, far, dataclasses.replace(far, grad_error=2.4e-2))  # 20%: kernels'
+    assert weigh(move, far, dataclasses.replace(far, grad_error=2e-2))  # 33%: kept
+    assert not weigh.exhausted
+    assert not weigh(move, far, dataclasses.replace(far, grad_error=math.inf))
+    assert weigh.exhausted and weigh.broke == {"a"}  # 3 tries, 3e-2 -> 2e-2: not halved
+    within = _Weigh()  # a plan within the tolerance: one island not kept, and it settles
+    assert not within(move, wo, dataclasses.replace(wo, grad_error=1e-2), within=True)
+    assert within.exhausted
+
+    def row(name: str, error: float) -> Sensitivity:
+        return Sensitivity(name=name, type="T", params=1, error=error, nonfinite=False,
+                           peak=1.0, headroom=0.0)
+
+    table = [row("encoder", math.inf), row("encoder.block.0", math.inf),
+             row("decoder.block.0.layer.0", 0.3)]
+    picked = _by_error({"encoder.block.0.ff.wo": True}, wo, table, 1e-2)
+    assert isinstance(picked, Move) and picked.target == "decoder.block.0.layer.0"
 
 
 def test_batchnorm_runs_on_the_batchs_statistics_when_suggest_trains() -> None:
@@ -714,6 +808,84 @@ def test_batchnorm_runs_on_the_batchs_statistics_when_suggest_trains() -> None:
     assert torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     infers = suggest(model, x, low="fp16")
     assert infers.met and infers.islands and model.training  # the model itself is untouched
+
+
+def bn_cnn(share: float) -> tuple[nn.Module, torch.Tensor]:
+    """A BatchNorm CNN whose conv2 output peaks at `share` of fp16's largest value on the
+    calibration half of its sample (training mode: BatchNorm on the batch's statistics)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+    x = torch.randn(64, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    peak = conv2_peak(model, x[:32])
+    with torch.no_grad():
+        model[3].weight.mul_(share * 65504 / peak)
+        model[3].bias.mul_(share * 65504 / peak)
+    return model, x
+
+
+def conv2_peak(model: nn.Module, x: torch.Tensor) -> float:
+    seen: list[float] = []
+    handle = model[3].register_forward_hook(
+        lambda _, __, out: seen.append(float(out.detach().abs().max())))
+    copy.deepcopy(model).train()(x)
+    handle.remove()
+    return seen[-1]
+
+
+def test_a_plan_whose_values_reach_near_fp16s_largest_on_calibration_data_is_not_met() -> None:
+    """conv2's fp32 output peaks at 94% of 65504 on the calibration batch: 0.4 returned no
+    island, met and verified, and a batch it had not seen (one image 1.5x brighter) reached
+    110% and trained to nan. The calibration batch's values are held to the margin (half) of
+    the low dtype's largest, as its errors are to half the tolerance: conv2 hands back fp32."""
+    model, x = bn_cnn(0.94)
+    found = suggest(model, x, low="16-mixed", loss_fn=mse)
+    assert found.met and found.verified and found.islands == ["3"] and found.outputs == ["3"]
+    first = found.checks[0]
+    assert first.islands == () and first.crowded is not None and first.crowded[0] == "3"
+    assert 0.93 < first.crowded[1] < 0.95 and first.failed == ["range"]  # errors within
+    assert "within the margin of that dtype's largest value" in found.reasons["3"]
+    unseen = x[:32].clone()
+    unseen[0] *= 1.5
+    assert conv2_peak(model, unseen) > 65504  # 110%
+
+    def step(plan: Any) -> bool:
+        planned = apply(copy.deepcopy(model).train(), plan)
+        mse(planned(unseen)).backward()
+        return all(bool(torch.isfinite(p.grad).all()) for p in planned.parameters())
+
+    assert not step(resolve(model, "16-mixed"))  # every module low: inf gradients
+    assert step(found.plan)
+    # with room (40% of the largest value), the margin costs nothing: no island
+    roomy, x = bn_cnn(0.4)
+    found = suggest(roomy, x, low="16-mixed", loss_fn=mse)
+    assert found.met and found.islands == [] and found.checks[0].crowded is None
+
+
+def test_a_model_whose_own_output_comes_near_fp16s_largest_value_is_not_met_and_says_so() -> None:
+    """The root's own output reaches 61% of 65504 on the calibration batch: no island can
+    give it room (the root is never one), so the plan is not met, the smallest plan that runs
+    finite is returned, and its message says that room, not error, is what it misses."""
+    class Loud(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y / y.abs().max().detach() * 40000
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="the root cannot be an island"):
+        found = suggest(Loud(), torch.randn(64, 8), low="16-mixed",
+                        loss_fn=lambda out: out.float().pow(2).mean() * 1e-9)
+    assert not found.met and found.islands == []
+    assert found.final.crowded is not None and found.final.crowded[0] == ""
+    assert max(found.final.errors().values()) < found.tolerance  # errors within: room is not
+    assert "What it misses is room: the model's output, in fp16, reaches 61%" in found.message
+    data = json.loads(found.to_json())
+    assert data["path"][0]["crowded"]["module"] == "" and data["path"][0]["failed"] == ["range"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -841,8 +1013,9 @@ def test_a_check_that_ended_finite_is_answered_by_error_not_by_what_its_watch_sa
 
     table = [row("b", 0.3), row("a", 0.1)]
     search = types.SimpleNamespace(structure={})
+    batch = types.SimpleNamespace(light=None)  # no recorded peaks: every output fits
     finite = Check(("x",), (), 1e-3, 1e-3, 1.5e-2, "a", False, limit=1e-2)
-    move = _next_island(search, None, {"x": False}, finite, {}, lambda: table, 65504.0, 1e-2)
+    move = _next_island(search, batch, {"x": False}, finite, {}, lambda: table, 65504.0, 1e-2)
     assert not isinstance(move, str) and move.target == "b" and move.reason == "gradients"
     # a run that ended non-finite is answered by where the value arose
     broken = dataclasses.replace(finite, grad_error=math.inf)
@@ -852,6 +1025,6 @@ def test_a_check_that_ended_finite_is_answered_by_error_not_by_what_its_watch_sa
         called.append(True)
         return table
 
-    move = _next_island(search, None, {"x": False}, broken, {}, measure, 65504.0, 1e-2)
+    move = _next_island(search, batch, {"x": False}, broken, {}, measure, 65504.0, 1e-2)
     assert not isinstance(move, str) and move.target == "a" and called == []
     assert move.reason == "a non-finite value arose in it"

@@ -84,8 +84,7 @@ def test_the_package_imports_form_no_cycle_and_no_private_name_crosses_modules()
             visit(node, [])
     # the core needs no adapter; the entry points reach them lazily, for the backend asked about
     core = {n for n in graph if not n.startswith("precision_annot.adapters")}
-    for name in core - {"precision_annot._src.cli", "precision_annot._src.demo_runner",
-                        "precision_annot._src.checking"}:
+    for name in core - {"precision_annot._src.cli", "precision_annot._src.demo_runner"}:
         assert not {d for d in graph[name] if d.startswith("precision_annot.adapters")}, name
 
 

@@ -200,7 +200,7 @@ def test_measured_counts_are_the_counts_written_by_hand(dtype: torch.dtype, kind
     x = (torch.tensor([pick[k] for k in kinds], dtype=torch.float64) * signs).to(dtype)
     if len(kinds) == 1:
         x = x[0]  # a 0-dim tensor, as a loss a module returns
-    s = _stats(dtype, _measure(x, x))
+    s = _stats(dtype, [*_measure(x, x).tolist(), 1.0])
     a = x.double().abs()
     finite = torch.isfinite(a)
     assert s.nonfinite == int((~finite).sum()) and s.in_nonfinite == int(s.nonfinite > 0)
@@ -295,3 +295,431 @@ def test_diff_rejects_a_bad_tolerance_naming_it(bad: object) -> None:
     with pytest.raises(ValueError, match=r"diff: tolerance is a relative error above 0, e\.g\. "
                                          r"1e-2\. Received: tolerance="):
         pa.diff(chain(), torch.randn(2, 16), tolerance=bad)  # type: ignore[arg-type]
+
+
+# -- every call, every output, training steps only (0.4 measured something else) -----------------
+
+class FirstCall(nn.Module):
+    """`big` overflows fp16 on its only call; the inf flows to the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.Linear(16, 16)
+        self.big = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.big.weight.fill_(6e4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.big(self.small(x)))
+        return out
+
+
+class Saturated(FirstCall):
+    """`big` overflows; a tanh after it saturates the inf, so the output is finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tanh = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.tanh(self.big(self.small(x))))
+        return out
+
+
+class SecondCall(nn.Module):
+    """`shared` runs twice; its second call overflows fp16, and a tanh saturates the inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.mid = nn.Linear(16, 16)
+        self.tanh = nn.Tanh()
+        self.head = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.shared.weight.fill_(10.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.shared(x))
+        out: torch.Tensor = self.head(self.tanh(self.shared(h * 100.0)))
+        return out
+
+
+class Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x) * 1e6  # the second overflows fp16 in this module's code
+
+
+class SecondOutput(nn.Module):
+    """`heads` returns two tensors, the second holding inf; it reaches the root's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = Heads()
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, z = self.heads(x)
+        out: torch.Tensor = self.head(y) + z.sum(-1, keepdim=True)
+        return out
+
+
+def named_by_debug_underflow_overflow(model: nn.Module, x: torch.Tensor) -> str | None:
+    """The module transformers' DebugUnderflowOverflow names (its last frame before it stops
+    at an inf or nan), run on a copy; None when it finds none."""
+    import contextlib
+    import copy
+    import io
+
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    clone = copy.deepcopy(model)
+    DebugUnderflowOverflow(clone)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            clone(x)
+        except ValueError as e:
+            assert "inf/nan detected" in str(e)
+        else:
+            return None
+    prefix = " " * 17 + " "  # its frame header: "{prefix} {module name} {class name}"
+    header = [line for line in out.getvalue().splitlines() if line.startswith(prefix)][-1]
+    return header[len(prefix):].rpartition(" ")[0]
+
+
+@pytest.mark.parametrize("planting", [FirstCall, Saturated, SecondCall, SecondOutput],
+                         ids=["first-call", "saturated-later", "second-call", "second-output"])
+def test_watch_names_the_module_debug_underflow_overflow_names(planting: type[nn.Module]
+                                                                ) -> None:
+    """0.4 named the module only on the first planting and the saturated one: a shared
+    module's second call was never measured, and a second returned tensor holding inf was
+    blamed on the root."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = pa.apply(planting(), default="16-true")
+    x = torch.randn(4, 16).half()
+    named = named_by_debug_underflow_overflow(model, x)
+    assert named is not None
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=1) as w:
+        warnings.simplefilter("always")
+        model(x).float().sum().backward()
+        record = w.step()
+    assert record is not None and record.first_nonfinite == named
+    messages = [str(s.message) for s in said if "watch:" in str(s.message)]
+    assert messages and f"the output of module {named!r} reached" in messages[0], messages
+
+
+class BackwardOnly(nn.Module):
+    """Finite forward; in backward `b`'s large weight overflows the gradient it hands
+    `shrink` (fp16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.b.weight.fill_(1e3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.b(self.a(x) * 1e-4)
+        return out
+
+
+def test_watch_still_finds_a_backward_only_overflow_that_debug_underflow_overflow_cannot_see(
+        ) -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = pa.apply(BackwardOnly(), default="16-true")
+    x = torch.randn(4, 16).half()
+    assert named_by_debug_underflow_overflow(model, x) is None  # it watches forwards only
+    with pa.watch(model, every=1, warn=False) as w:
+        (model(x).float().sum() * 10).backward()
+        record = w.step()
+    assert record is not None and record.first_nonfinite is None
+    assert record.first_nonfinite_grad == "a" and record.grads["b"].nonfinite == 0
+
+
+def test_watch_samples_the_training_step_not_an_evaluation_run_between_steps() -> None:
+    """A no_grad (or inference_mode) evaluation between steps is not a training step: 0.4
+    recorded it (amax 51.9 where training's was 1.07) and had no gradient rows."""
+    torch.manual_seed(0)
+    model = pa.apply(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)),
+                     default="bf16-true")
+    train_x = torch.randn(8, 16).bfloat16()
+    evaluate = (torch.randn(8, 16) * 50).bfloat16()
+    with pa.watch(model, every=1, warn=False) as w:
+        for no_grad in (torch.no_grad, torch.inference_mode):
+            w.step()  # the step before
+            with no_grad():
+                model(evaluate)
+            model(train_x).float().sum().backward()
+            record = w.step()
+            assert record is not None
+            assert record.outputs["0"].amax == float(model[0](train_x).detach().abs().max())
+            assert set(record.grads) == set(record.outputs) == {"0", "1", "2", ""}
+            assert all(s.tensors == 1 for s in record.outputs.values())  # one call each
+
+
+def test_warnings_go_on_after_the_first_module_when_a_later_one_overflows() -> None:
+    """`a` at 61% of fp16's largest value is said once; `c` overflowing to inf at a later step
+    is said too (0.4 said nothing more once `a` was said, though the record named `c`)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4, bias=False)
+            self.b = nn.Tanh()
+            self.c = nn.Linear(4, 4, bias=False)
+            with torch.no_grad():
+                self.a.weight.copy_(torch.eye(4) * 40000)
+                self.c.weight.fill_(1.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.c(self.b(self.a(x)) * self.scale)
+            return out
+
+    model = pa.apply(Net(), default="16-true")
+    x = torch.ones(2, 4).half()
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=1) as w:
+        warnings.simplefilter("always")
+        for step in range(6):
+            model.scale = 2e4 if step == 5 else 1.0  # c sums 4 of them: 8e4
+            model(x).float().sum().backward()
+            w.step()
+    messages = [str(s.message) for s in said if "watch:" in str(s.message)]
+    assert w.history[5].first_nonfinite == "c"
+    assert len(messages) == 2, messages
+    assert "step 0: the output of module 'a' reached 4e+04, 61%" in messages[0]
+    assert "step 5: the output of module 'c' reached 8 non-finite values" in messages[1]
+
+
+def test_watch_refuses_a_compiled_model_with_the_fix() -> None:
+    """0.4 recorded 0 rows from a compiled model, and said nothing."""
+    model = pa.apply(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), default="bf16-true")
+    with pytest.raises(ValueError, match=r"watch: the model is compiled \(torch.compile\)"):
+        pa.watch(torch.compile(model))
+    inplace = copy_of(model)
+    inplace.compile()
+    with pytest.raises(ValueError, match=r"call the uncompiled one while watch.sampling"):
+        pa.watch(inplace)
+    x = torch.randn(2, 4).bfloat16()
+    # compiled apart from the model watch was given, and run on a sampled step: refused there
+    fresh = copy_of(model)
+    with pa.watch(fresh, every=1) as w:
+        torch.compile(fresh, backend="eager")(x).float().sum().backward()
+        with pytest.raises(RuntimeError, match=r"watch: the model ran compiled "
+                                               r"\(torch.compile\) on a sampled step"):
+            w.step()
+    assert not fresh[0]._forward_hooks
+    # the fix it gives: the uncompiled model on the sampled steps
+    compiled = torch.compile(model, backend="eager")
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=2) as w:
+        warnings.simplefilter("always")
+        for step in range(4):
+            (model if w.sampling else compiled)(x).float().sum().backward()
+            record = w.step()
+            assert (record is not None) == (step % 2 == 0)
+            assert record is None or set(record.grads) == {"0", "1", ""}
+        assert not said
+        compiled(x).float().sum().backward()  # a sampled step run compiled after all
+        with pytest.raises(RuntimeError, match=r"watch: the model ran compiled"):
+            w.step()
+
+
+def copy_of(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model)
+
+
+def test_watch_errors_name_the_argument_and_the_fix(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    model = planted()
+    with pytest.raises(TypeError, match=r"watch: scaler is the GradScaler the run steps with "
+                                        r".* Received: scaler=<object object"):
+        pa.watch(model, scaler=object())
+    missing = tmp_path / "no" / "run.jsonl"
+    with pytest.raises(FileNotFoundError, match=r"watch: path=.* is in a folder that does not "
+                                                r"exist"):
+        pa.watch(model, path=missing)
+    assert not missing.parent.exists() and not model[0]._forward_hooks  # nothing left behind
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=1) as w:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model(torch.randn(2, 16).half())  # an evaluation, and no training step
+        record = w.step()
+        w.step()
+    assert record is not None and not record.outputs
+    assert len(said) == 1 and "step 0 was sampled, but no module of the model ran a forward " \
+        "with gradients" in str(said[0].message)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("[1, 2, 3]\n")
+    assert main(["watch-report", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "line 1 is not a record watch wrote" in err and "Traceback" not in err
+
+
+# -- diff: the same random stream, every call, and nothing of the caller's changed --------------
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.5)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(self.drop(self.lin(x)))
+        return out
+
+
+def test_diff_runs_both_steps_on_the_same_random_stream_and_leaves_the_callers_as_it_was(
+        ) -> None:
+    """A "32-true" plan with dropout: 0.4 drew other masks for fp32 and reported first='1'
+    (error 0.74); it also advanced the caller's generator."""
+    torch.manual_seed(0)
+    model = pa.annotate(Dropped(), {"*": "32-true"})
+    mine = model.lin.register_forward_hook(lambda m, a, o: None)
+    x = torch.randn(8, 16)
+    state = torch.get_rng_state()
+    report = pa.diff(model, x)
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's stream, untouched
+    assert report.first is None and report.first_grad is None
+    assert all(m.output_error == 0.0 for m in report), str(report)
+    assert list(model.lin._forward_hooks) == [mine.id] and model.training
+    # bf16: the same masks too (dropout draws the same numbers in either dtype), so only
+    # rounding remains
+    bf16 = pa.diff(pa.annotate(Dropped(), {"*": "bf16"}), x)
+    assert bf16.first is None and bf16["drop"].output_error < 1e-2, str(bf16)
+
+
+def test_diff_compares_every_call_and_blames_a_second_call_on_its_module() -> None:
+    """0.4 compared the first call only, and blamed the next module for a second call's
+    1.00 error."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.offset = Offset()
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.offset(self.lin(x) * 1e3)  # large values: bf16 keeps them to 0.5%
+            out: torch.Tensor = self.out(self.offset(h * 1e-3))  # lost in bf16 this time
+            return out
+
+    torch.manual_seed(0)
+    model = pa.annotate(Twice(), {"*": "fp32", "offset": "bf16"})
+    report = pa.diff(model, torch.randn(8, 16))
+    assert report.first == "offset" and report["offset"].output_error > 0.5
+    assert report["offset"].tensors == 2
+
+
+def test_diff_during_a_watched_step_neither_copies_the_watch_nor_is_recorded_by_it() -> None:
+    """0.4's copies kept the watch's hooks, so the watch recorded diff's runs (amax 113.9
+    instead of training's 1.11)."""
+    torch.manual_seed(0)
+    model = pa.apply(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)),
+                     default="bf16-true")
+    x = torch.randn(8, 16).bfloat16()
+    with pa.watch(model, every=1, warn=False) as w:
+        pa.diff(model, x * 100)  # before the step's forward
+        model(x).float().sum().backward()
+        pa.diff(model, x * 100)  # and after it
+        record = w.step()
+    assert record is not None
+    assert record.outputs["0"].amax == float(model[0](x).detach().abs().max())
+    assert all(s.tensors == 1 for s in record.outputs.values())
+
+
+def test_diff_takes_a_one_parameter_loss_fn_as_suggest_does() -> None:
+    model = chain()
+    pa.annotate(model, {"*": "fp32", "3": "bf16"})
+    x = torch.randn(8, 16)
+    one = pa.diff(model, x, loss_fn=lambda out: out.pow(2).mean())
+    two = pa.diff(model, x, loss_fn=lambda out, sample: (out - sample[:, :4]).pow(2).mean())
+    assert one.first == two.first == "3"
+    assert one["2"].grad_error is not None and one["2"].grad_error != two["2"].grad_error
+    with pytest.raises(TypeError, match=r"diff\(loss_fn=...\) must return a floating tensor"):
+        pa.diff(model, x, loss_fn=lambda out: "loss")
+    with pytest.raises(TypeError, match=r"diff\(loss_fn=...\) is a function"):
+        pa.diff(model, x, loss_fn=3)  # type: ignore[arg-type]
+
+
+def test_watch_records_the_model_it_watches_not_a_copy_made_during_a_sampled_step() -> None:
+    """An EMA or evaluation copy made with deepcopy keeps the watched model's hooks; it runs
+    without being recorded."""
+    import copy
+
+    torch.manual_seed(0)
+    model = pa.apply(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)),
+                     default="bf16-true")
+    x = torch.randn(8, 16).bfloat16()
+    with pa.watch(model, every=1, warn=False) as w:
+        twin = copy.deepcopy(model)
+        twin(x * 100).float().sum().backward()
+        model(x).float().sum().backward()
+        record = w.step()
+    assert record is not None
+    assert record.outputs["0"].amax == float(model[0](x).detach().abs().max())
+    assert all(s.tensors == 1 for s in record.outputs.values())
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.utils.checkpoint
+
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def test_watch_gives_the_modules_inside_reentrant_checkpointing_their_gradient_rows() -> None:
+    """0.4 left the 3 modules inside without gradient rows (they ran under no_grad, then
+    again in backward), and measured the rerun as a second call."""
+    torch.manual_seed(0)
+    model = pa.apply(Checkpointed(), default="bf16-true")
+    x = torch.randn(8, 16).bfloat16().requires_grad_()
+    with pa.watch(model, every=1, warn=False) as w:
+        model(x).float().sum().backward()
+        record = w.step()
+    assert record is not None
+    assert set(record.grads) == set(record.outputs) == {
+        "block.0", "block.1", "block.2", "block", "head", ""}
+    assert all(s.tensors == 1 for s in record.outputs.values())
+
+
+class Noisy(nn.Module):
+    """Draws noise in the dtype it computes in (a double draws other numbers than a float
+    from the same generator state, as CUDA's dropout draws another mask for bf16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + torch.rand_like(h)
+
+
+def test_diff_hands_the_second_run_the_first_runs_draws_whatever_dtype_they_are_drawn_in(
+        ) -> None:
+    torch.manual_seed(0)
+    drawn = torch.rand(16, dtype=torch.float64)
+    torch.manual_seed(0)
+    assert not torch.allclose(drawn.float(), torch.rand(16))  # not the same numbers
+    model = pa.annotate(nn.Sequential(Noisy(), nn.Linear(16, 4)), {"*": "64-true"})
+    report = pa.diff(model, torch.randn(8, 16))
+    assert report.first is None and report["0"].output_error < 1e-6, str(report)

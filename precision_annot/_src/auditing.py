@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from precision_annot._src.boundary import device_type_of
 from precision_annot._src.casting import floating_leaves
-from precision_annot._src.dtypes import dtype_name, wider
+from precision_annot._src.dtypes import FP8, dtype_name, wider
 from precision_annot._src.execution import Execution, Kind, Site, compile_plan
 from precision_annot._src.float8 import is_fp8_tensor
 from precision_annot._src.guards import require_module, require_plan
@@ -42,6 +42,12 @@ __all__ = ["AuditReport", "Divergence", "ModuleRecord", "UpdateRecord", "audit"]
 Phase: TypeAlias = Literal["forward", "backward", "state"]
 
 _CASTS = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as"})
+#: views compute nothing (DTensor's `to_local`, in a tensor-parallel output hook, is one)
+_VIEWS = frozenset({"view", "view_as"})
+
+#: the collectives (`torch.ops._c10d_functional`, what DTensor issues) that sum across ranks
+_REDUCING = frozenset({"all_reduce", "all_reduce_coalesced", "reduce_scatter_tensor",
+                       "reduce_scatter_tensor_coalesced"})
 
 #: the ops a Linear's GEMM reaches dispatch as (torchao's fp8 tensors arrive as mm/addmm)
 _GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_grouped_mm",
@@ -53,7 +59,7 @@ class UpdateRecord:
     """What one optimizer step did with one parameter (`audit(model, optimizer=...)`).
 
     Attributes:
-        grad: the dtype of the gradient the step read (an accumulation buffer's, if any).
+        grad: the dtype of the gradient the step read.
         master: the dtype of the master copy it updated, or None (the parameter itself).
         state: the optimizer's state tensors for it, by name: a dtype name, or the class of a
             low-bit state ("OptimState8bit").
@@ -92,6 +98,10 @@ class ModuleRecord:
             `out_proj`'s weight), per phase.
         updates: with `audit(model, optimizer=...)`, what the optimizer's last step in the
             block did with each of its parameters (an `UpdateRecord`), by name.
+        placements: for its DTensor parameters (tensor parallel), their placements, by name,
+            e.g. "Shard(dim=0)".
+        reductions: the reducing collectives it ran on DTensors (a row-parallel Linear's
+            all-reduce of its partial sums), per phase and dtype: the dtype the sum ran in.
     """
 
     name: str
@@ -110,6 +120,13 @@ class ModuleRecord:
     fp8_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
     high_weight_gemms: Counter[str] = dataclasses.field(default_factory=Counter)
     updates: dict[str, UpdateRecord] = dataclasses.field(default_factory=dict)
+    placements: dict[str, str] = dataclasses.field(default_factory=dict)
+    casts_itself: bool = False
+    reductions: Counter[tuple[str, torch.dtype]] = dataclasses.field(default_factory=Counter)
+
+    def reduced_in(self, phase: str = "forward") -> set[torch.dtype]:
+        """The dtypes its reducing collectives ran in, in `phase`."""
+        return {d for p, d in self.reductions if p == phase}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +135,8 @@ class Divergence:
 
     Attributes:
         module: the module's qualified name.
-        field: "compute", "gemm", "autocast", "storage", "grad", "output" or "boundary".
+        field: "compute", "gemm", "autocast", "storage", "grad", "output", "comm" (a
+            tensor-parallel reduction) or "boundary".
         planned: what the plan says.
         actual: what ran.
         phase: "forward", "backward", or "state" (dtypes held, not computed).
@@ -146,7 +164,9 @@ def _dtypes(counter: Counter[torch.dtype] | set[torch.dtype]) -> str:
 def _ops(record: ModuleRecord, phase: str) -> str:
     text = _dtypes(record.forward_ops if phase == "forward" else record.backward_ops)
     fp8 = record.fp8_gemms[phase]
-    return f"{text} fp8-gemm:{fp8}" if fp8 else text
+    text = f"{text} fp8-gemm:{fp8}" if fp8 else text
+    reduced = record.reduced_in(phase)
+    return f"{text} reduce:{_dtypes(reduced)}" if reduced else text
 
 
 def _autocast_text(states: set[tuple[bool, torch.dtype | None]]) -> str:
@@ -203,10 +223,13 @@ def _update(entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
 
 
 def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
-    """Rule 3: the autocast state the module's own code ran under."""
+    """Rule 3: the autocast state the module's own code ran under. A module that casts its
+    operands itself (a tensor-parallel Linear computing its partial sums in its comm dtype:
+    its class says `_precision_annot_casts_itself`) may turn autocast off."""
     mode = autocast_mode(policy)
     if mode == "autocast":
-        wrong = {s for s in record.autocast if s != (True, policy.compute)}
+        wrong = {s for s in record.autocast if s != (True, policy.compute)
+                 and not (record.casts_itself and not s[0])}
     elif mode == "off":
         wrong = {s for s in record.autocast if s[0]}
     else:
@@ -214,6 +237,21 @@ def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Diver
     if wrong:
         planned = dtype_name(policy.compute) if mode == "autocast" else "off"
         yield Divergence(name, "autocast", planned, _autocast_text(wrong), "forward")
+
+
+def _comm(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
+    """A tensor-parallel module's (one holding DTensor parameters) reductions in its planned
+    comm dtype (comm=fp8 all-gathers fp8 weights: no reduction dtype). A reduction that a hook
+    runs before the module's forward (torch's ColwiseParallel reduces its input's gradient
+    where its input became a DTensor) is its caller's."""
+    comm = policy.comm
+    if comm is None or comm == FP8 or not record.placements:
+        return
+    phases: tuple[Phase, ...] = ("forward", "backward")
+    for phase in phases:
+        other = {d for d in record.reduced_in(phase) if d != comm}
+        if other:
+            yield Divergence(name, "comm", dtype_name(comm), _dtypes(other), phase)
 
 
 def _output(entry: ModulePlan, record: ModuleRecord, site: Site | None
@@ -272,6 +310,7 @@ class AuditReport:
                 out.extend(_gemm(entry.name, entry.policy, entry.policy.gemm is not None,
                                  record))
                 out.extend(_autocast(entry.name, entry.policy, record))
+                out.extend(_comm(entry.name, entry.policy, record))
                 out.extend(self._storage(entry, record))
                 out.extend(_output(entry, record, site))
                 out.extend(_update(entry, record))
@@ -284,7 +323,8 @@ class AuditReport:
                              "state")
 
     def _storage(self, entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
-        """Rule 1: tensors held, and gradients received, in their planned dtypes."""
+        """Rule 1: tensors held, and gradients received, in their planned dtypes (a gradient
+        in the plan's `grad` where that is wider than storage)."""
         name = entry.name
         targets = self.execution.targets
         for tname, (kind, dtype) in record.tensors.items():
@@ -292,9 +332,12 @@ class AuditReport:
             if target is not None and target.persistent and dtype != target.dtype:
                 yield Divergence(name, "storage", f"{tname} {dtype_name(target.dtype)}",
                                  dtype_name(dtype), "state")
+        policy = entry.policy
         for tname, dtype in record.grads.items():
             target = targets.get((name, "param", tname))
             expected = target.dtype if target is not None else record.tensors[tname][1]
+            # grad=fp32: .grad accumulates in the rule's gradient dtype
+            expected = rule_for(fields_of(policy), expected).grad or expected
             if dtype != expected:
                 yield Divergence(name, "grad", f"{tname} {dtype_name(expected)}",
                                  dtype_name(dtype), "backward")
@@ -360,6 +403,7 @@ class _Recorder:
         if leaves:
             record.first_inputs.add(leaves[0].dtype)
         record.tensors.update(_own_tensors(module))
+        _distributed_facts(module, record)
 
     def exit(self, name: str, module: nn.Module, output: Any) -> None:
         leaves: list[torch.Tensor] = []
@@ -371,6 +415,15 @@ class _Recorder:
         if record is None:
             record = self.records[name] = ModuleRecord(name, "function", region=policy)
         record.calls += 1
+
+
+def _distributed_facts(module: nn.Module, record: ModuleRecord) -> None:
+    """Its DTensor parameters' placements, and whether its class casts its own operands."""
+    for pname, p in module._parameters.items():
+        placements = getattr(p, "placements", None)
+        if placements is not None:
+            record.placements[pname] = ",".join(str(q) for q in placements)
+    record.casts_itself = bool(getattr(type(module), "_precision_annot_casts_itself", False))
 
 
 def _own_tensors(module: nn.Module) -> Iterator[tuple[str, tuple[Kind, torch.dtype]]]:
@@ -435,6 +488,9 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional":  # a collective (DTensor's): moves, or sums
+            self._reduction(func, args)
+            return out
         if self.fp8_weights and func.overloadpacket.__name__ in ("_to_copy", "clone"):
             self._follow_copy(args, out)
         if func.is_view or not _computes(func, args, kwargs):
@@ -454,6 +510,15 @@ class _OpDtypes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if owner is not None:
             self._book(owner, results, gemm, fp8, operands)
         return out
+
+    def _reduction(self, func: Any, args: Any) -> None:
+        """A reducing collective: the dtype its sum ran in, charged to the module running it."""
+        if func.overloadpacket.__name__ not in _REDUCING or not args:
+            return
+        first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
+        owner = self.tracker.owner()
+        if owner is not None and isinstance(first, torch.Tensor):
+            self.records[owner[0]].reductions[(owner[1], first.dtype)] += 1
 
     def _follow_copy(self, args: Any, out: Any) -> None:
         """A copy of an fp8-planned weight (autocast's, a .to()) is that weight too."""
@@ -524,7 +589,7 @@ class _AutocastState(TorchFunctionMode):
         out = func(*args, **kwargs)
         tracker = self.tracker
         name = getattr(func, "__name__", "")
-        if not tracker.stack or name in _CASTS or name in DATA_MOVEMENT:
+        if not tracker.stack or name in _CASTS or name in DATA_MOVEMENT or name in _VIEWS:
             return out
         if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out
@@ -595,6 +660,7 @@ class audit:
         installed = {n: bool((b := find_boundary(m)[0]) and b.active) for m, n in names.items()}
         for module, name in names.items():
             records[name].tensors = dict(_own_tensors(module))
+            _distributed_facts(module, records[name])
         recorder = _Recorder(records)
         tracker = self._tracker = ModuleTracker(names, recorder.enter, recorder.exit,
                                                 recorder.region)

@@ -23,14 +23,16 @@ import torch
 from torch import nn
 from typing_extensions import ParamSpec
 
+from precision_annot._src import recompute
 from precision_annot._src.casting import Copies, cast_tree, check_tree, first_floating
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.policy import AutocastMode, Policy
 from precision_annot._src.tags import tag_function
 
-__all__ = ["REGION_OBSERVERS", "Boundary", "BoundarySpec", "CastingDict", "DriftError", "Planned",
-           "Region", "RegionObserver", "autocast_context", "cast_inputs", "device_type_of",
-           "get_tensor", "in_applied_forward", "keep_binding", "set_tensor", "wrap_function"]
+__all__ = ["REGION_OBSERVERS", "Boundary", "BoundarySpec", "CastingDict", "DriftError",
+           "ForwardState", "Planned", "Region", "RegionObserver", "autocast_context",
+           "cast_inputs", "device_type_of", "forward_state", "get_tensor", "in_applied_forward",
+           "keep_binding", "set_tensor", "wrap_function"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -352,6 +354,54 @@ def in_applied_forward() -> bool:
     return _local.model is not None
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ForwardState:
+    """What an applied forward has set in one thread at one point: the model whose forward
+    runs (the entry guards read it) and the regions active there (the parameter dicts read
+    them).
+
+    Activation checkpointing runs a part of the forward again during backward, where none of
+    this is set (and maybe in another thread); torch restores autocast and the random state
+    for that rerun, and `recompute` has it restore this too. Without it an entry guard that
+    passed through the first time would cast (T5's fp32 residual stream rounded to bf16), and
+    a parameter seen in its region's compute dtype would be seen in its own:
+    `torch.utils.checkpoint` raised CheckpointError, and with `use_reentrant=True` the
+    gradients were those of another computation.
+    """
+
+    model: object | None
+    regions: tuple[Region, ...]
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """This state in the current thread until the block ends; the regions cast with fresh
+        copies, written back at the end as a boundary's are."""
+        local = _local
+        outer, local.model = local.model, self.model
+        try:
+            with contextlib.ExitStack() as stack:
+                for region in self.regions:
+                    stack.enter_context(region.active())
+                yield
+        finally:
+            local.model = outer
+
+
+def forward_state() -> ForwardState | None:
+    """The state an applied forward has set in this thread, or None outside one."""
+    caches: dict[Region, Any] | None = getattr(_tls, "caches", None)
+    model = _local.model
+    if model is None and not caches:
+        return None
+    return ForwardState(model, tuple(caches) if caches else ())
+
+
+def _restorer() -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+    """What a checkpoint starting now reruns its function under (see `recompute`)."""
+    state = forward_state()
+    return None if state is None else state.restored
+
+
 def cast_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype,
                 positions: frozenset[int], names: frozenset[str], copies: Copies | None = None
                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -432,6 +482,7 @@ class Boundary:
     def configure(self, spec: BoundarySpec | None, region: Region | None,
                   planned: tuple[Planned, ...], swap: Region | None = None) -> None:
         """Set what this boundary does; `spec=None` makes it a pass-through."""
+        recompute.install(_restorer)  # once: a checkpoint reruns under the forward's state
         self.spec = spec
         self.region = region
         self.swap = swap if swap is not None else region

@@ -1,125 +1,27 @@
 """`check`: before launch, what a backend will refuse, narrow, widen or run badly for a plan.
 
-Each adapter says what its backend will do with the plan (`adapters.deepspeed.findings`,
-`adapters.fsdp.findings`, `adapters.ddp.findings`, `adapters.lightning.checks.findings`), worked
-out by the same code that exports the plan, and, where it knows, the dtype it will reduce each
-module's gradients in; the numerics that hold for every backend come from `findings.numerics`.
-Adapters are imported only for the backend asked about: one function per backend, in a table.
+Each backend is asked through one protocol (`check_backend.CheckBackend`: its option keys, and
+`run`), worked out by the same code that exports the plan for it, and says, where it knows,
+the dtype it will reduce each module's gradients in; the numerics that hold for every
+training backend come from `findings.numerics`, the loop's optimizer from `_optimizer` here.
+A backend's module is imported only when it is the one asked about.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from precision_annot._src.check_backend import BACKENDS, Checked, backend_for
 from precision_annot._src.findings import SEVERITIES, Finding, listing, numerics
-from precision_annot._src.float8_checks import fp8_findings
+from precision_annot._src.float8_checks import accelerate_findings, fp8_findings
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.runtime import applied_plan, subject
+from precision_annot._src.runtime import subject
 from precision_annot._src.update.rule import module_rules
 
 __all__ = ["BACKENDS", "check"]
-
-BACKENDS = ("local", "deepspeed", "fsdp", "fsdp1", "ddp", "lightning")
-
-#: the keys `config` may hold, per backend (DeepSpeed takes its whole config, Lightning the
-#: Trainer's keyword arguments); `grad_scaler: True` says the training loop scales the loss
-_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
-    "local": ("grad_scaler", "optimizer"),
-    "fsdp": ("units", "merge_below", "latency_s", "bandwidth", "grad_scaler", "optimizer"),
-    "fsdp1": ("merge_below", "latency_s", "bandwidth", "use_orig_params", "grad_scaler",
-              "optimizer"),
-    "ddp": ("bucket_cap_mb", "grad_scaler", "optimizer"),
-}
-
-Comm = dict[str, torch.dtype] | None
-Checked = tuple[list[Finding], Comm, Comm]  # findings; what is reduced in and stored in
-Checker = Callable[[PrecisionPlan, nn.Module | None, nn.Module | None, Any], Checked]
-
-
-def _config_for(backend: str | None, config: Any) -> Any:
-    if config is None or backend in ("deepspeed", "lightning"):
-        return config
-    if backend not in _CONFIG_KEYS:
-        raise ValueError(
-            f"check: backend={backend!r} takes no config. Received: config={config!r}; "
-            "config applies to backend='deepspeed' (its config, a dict or a file), 'fsdp', "
-            "'fsdp1', 'ddp', 'local' and 'lightning' (the Trainer's keyword arguments)."
-        )
-    valid = _CONFIG_KEYS[backend]
-    if not isinstance(config, Mapping):
-        raise TypeError(f"check: config for backend={backend!r} is a dict with keys "
-                        f"{list(valid)}. Received: {config!r}")
-    unknown = sorted(set(config) - set(valid))
-    if unknown:
-        raise ValueError(f"check: config for backend={backend!r} has unknown key "
-                         f"{unknown[0]!r}; valid: {list(valid)}.")
-    return dict(config)
-
-
-def _local(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
-           options: Any) -> Checked:
-    return [], None, None
-
-
-def _deepspeed(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
-               options: Any) -> Checked:
-    from precision_annot.adapters import deepspeed  # deferred: only the backend asked about
-
-    found = deepspeed.findings(plan, options)
-    if deepspeed.refused(found):
-        return found, None, None  # it does not start: nothing is reduced
-    dsp = deepspeed.translate(plan, warn=False)
-    config, stage = deepspeed.given_config(dsp, options)
-    stored = {n: e.policy.storage for n, e in dsp.plan.items() if e.policy.storage is not None}
-    return found, deepspeed.reduced(dsp, config, stage), stored
-
-
-def _fsdp(backend: str) -> Checker:
-    def run(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
-            options: Any) -> Checked:
-        from precision_annot.adapters import fsdp  # deferred: only the backend asked about
-
-        options = {k: v for k, v in (options or {}).items()
-                   if k not in ("grad_scaler", "optimizer")}
-        if "units" in options and model is None:
-            raise ValueError("check: config 'units' selects modules, so it needs the model, and "
-                             "this plan holds none (it was loaded from JSON, or its model is "
-                             "gone); pass the model instead of its plan.")
-        found = fsdp.findings(plan, backend, model=model, **options)
-        live = fsdp.sharded_units(plan, model) if model is not None else None
-        if live is not None:
-            return found, fsdp.reduced(plan, [u.name for u in live]), None
-        names = fsdp.unit_names(plan, model, options.get("units"),
-                                merge_below=options.get("merge_below"))
-        return found, fsdp.reduced(plan, names), None
-
-    return run
-
-
-def _ddp(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
-         options: Any) -> Checked:
-    from precision_annot.adapters import ddp  # deferred: only the backend asked about
-
-    options = {k: v for k, v in (options or {}).items() if k not in ("grad_scaler", "optimizer")}
-    ddp_model = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
-    return ddp.findings(plan, ddp_model, **options), ddp.reduced(plan, ddp_model)[0], None
-
-
-def _lightning(plan: PrecisionPlan, model: nn.Module | None, wrapped: nn.Module | None,
-               options: Any) -> Checked:
-    # deferred: Lightning is an optional extra, imported only when it is the backend asked about
-    from precision_annot.adapters.lightning.checks import findings, reduced
-
-    return (findings(plan, options, applied=model is not None and _applied(model)),
-            reduced(plan, options), None)
-
-
-def _applied(model: nn.Module) -> bool:
-    return applied_plan(model) is not None
 
 
 def _optimizer(plan: PrecisionPlan, optimizer: Any) -> list[Finding]:
@@ -145,16 +47,6 @@ def _optimizer(plan: PrecisionPlan, optimizer: Any) -> list[Finding]:
         tuple(planned))]
 
 
-_CHECKS: dict[str, Checker] = {
-    "local": _local,
-    "deepspeed": _deepspeed,
-    "fsdp": _fsdp("fsdp"),
-    "fsdp1": _fsdp("fsdp1"),
-    "ddp": _ddp,
-    "lightning": _lightning,
-}
-
-
 def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
           config: Any = None) -> list[Finding]:
     """What `backend` will refuse, narrow, widen or run badly for this plan, found before launch.
@@ -168,18 +60,24 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
             resolved here; wrappers are seen through, and a `DistributedDataParallel` model's
             comm hook is checked under backend="ddp") or a `PrecisionPlan` (resolve it with
             the defaults you will train with, e.g. `resolve(model, "bf16-mixed")`).
-        backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning";
-            None checks only what holds for every backend. (Default: None)
+        backend: one of "local", "deepspeed", "fsdp" (FSDP2), "fsdp1", "ddp", "lightning",
+            "tp" (tensor parallel), or "checkpoint" (what loading a checkpoint would do to the
+            plan); None checks only what holds for every backend. (Default: None)
         config: what the backend will be given. DeepSpeed: the config it will get, as it is (a
             dict, or a JSON or hjson file; None: what `to_config(plan)` exports), with
             `prepare(model)` called before `initialize`.
             Lightning: the Trainer's keyword arguments (`precision`, `plugins`, `strategy`,
             `accelerator`). Local, DDP and FSDP: `optimizer`, the optimizer you will step
-            (one that ignores the plan's masters or states is an error). FSDP: `units`
+            (one that ignores the plan's masters or states is an error), and `fp8`, who converts
+            the fp8 layers: "apply" (the default) or "accelerate" (Accelerate's
+            `AORecipeKwargs` from `adapters.fp8.ao_recipe_kwargs`). FSDP: `units`
             (FSDP2, with a model) and `merge_below` as
             `fully_shard` takes them, the cost model's `latency_s` and `bandwidth`, and for
-            FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. Local, DDP and FSDP:
-            `grad_scaler=True` when the training loop scales the loss. (Default: None)
+            FSDP1 `use_orig_params`. DDP: `bucket_cap_mb`. TP: `parallelize_plan` (as
+            `adapters.tp.parallelize_module` takes it) and `tp_degree`. Local, DDP and FSDP:
+            `grad_scaler=True` when the training loop scales the loss. Checkpoint: `path`, a
+            DCP directory, safetensors files (or their index) or a `torch.save` file, read
+            without its tensor data. (Default: None)
 
     Returns:
         The findings, errors first, then warnings, then infos. Each has a severity, a stable
@@ -201,20 +99,23 @@ def check(model_or_plan: nn.Module | PrecisionPlan, backend: str | None = None,
         >>> check(resolve(model, "bf16-mixed"), "deepspeed", {"zero_optimization": {"stage": 2}})
         []
     """
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"check: backend must be None or one of {list(BACKENDS)}. "
-                         f"Received: backend={backend!r}")
-    options = _config_for(backend, config)
+    impl = backend_for(backend) if backend is not None else None
+    if impl is None and config is not None:
+        raise ValueError(f"check: backend=None takes no config. Received: config={config!r}; "
+                         f"name the backend it is for, one of {list(BACKENDS)}.")
+    options = impl.options(config) if impl is not None else None
     given = subject(model_or_plan, "check")
     given.require_facts("check", "a plan")
-    plan, model, wrapped = given.plan, given.model, given.wrapped
-    found, comm, stored = _CHECKS[backend](plan, model, wrapped, options) if (
-        backend) else ([], None, None)
-    scaled = bool(isinstance(options, Mapping) and options.get("grad_scaler"))
-    found = numerics(plan, backend, comm=comm, stored=stored, scaled=scaled) + found
-    if isinstance(options, Mapping) and options.get("optimizer") is not None:
-        found += _optimizer(plan, options["optimizer"])
-    found += fp8_findings(plan, backend)
+    plan = given.plan
+    checked = impl.run(given, options) if impl is not None else Checked([])
+    found = list(checked.findings)
+    if impl is None or impl.trains:
+        loop = impl.loop(options) if impl is not None else {}
+        found = numerics(plan, backend, comm=checked.comm, stored=checked.stored,
+                         scaled=bool(loop.get("grad_scaler"))) + found
+        if loop.get("optimizer") is not None:
+            found += _optimizer(plan, loop["optimizer"])
+        found += fp8_findings(plan, backend)
+        if loop.get("fp8") == "accelerate":
+            found += accelerate_findings(given)
     return sorted(found, key=lambda f: SEVERITIES.index(f.severity))
-
-

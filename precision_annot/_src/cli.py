@@ -249,7 +249,8 @@ def _cmd_watch_report(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> Any:
     """--config: a JSON object written inline ('{"units": ["blocks.*"]}'), or a file: DeepSpeed
-    reads its file itself (JSON or hjson); the others take a JSON object."""
+    reads its file itself (JSON or hjson), the checkpoint backend takes the checkpoint's path;
+    the others take a JSON object."""
     if args.config is None:
         return None
     if args.config.lstrip().startswith("{"):
@@ -257,6 +258,8 @@ def _check_config(args: argparse.Namespace) -> Any:
             return json.loads(args.config)
         except json.JSONDecodeError as e:
             raise CLIError(f"--config: not a JSON object: {e}. Received: {args.config!r}") from e
+    if args.backend == "checkpoint":  # the checkpoint itself: a file or a DCP directory
+        return {"path": args.config}
     if not Path(args.config).is_file():
         raise CLIError(f"--config: no file at {args.config!r}.")
     if args.backend == "deepspeed":
@@ -378,10 +381,11 @@ def _parser() -> argparse.ArgumentParser:
     chk.add_argument("--backend", choices=BACKENDS,
                      help="the backend you will launch with (default: what holds for all)")
     chk.add_argument("--config", metavar="CFG.json",
-                     help="a file, or a JSON object inline; deepspeed: the config it will get "
-                          "(JSON or hjson); lightning: the Trainer's arguments; fsdp: units, "
-                          "merge_below, latency_s, bandwidth; fsdp1: use_orig_params; ddp: "
-                          "bucket_cap_mb; local, ddp, fsdp: grad_scaler")
+                     help="the backend's config, a file or a JSON object inline: deepspeed: "
+                          "the config it will get (JSON or hjson); lightning: the Trainer's "
+                          "arguments; checkpoint: the checkpoint's path (or '{\"path\": "
+                          "...}'); the others: the keys check() takes for them (a key it "
+                          "does not take is refused, naming those it does)")
     chk.add_argument("--json", action="store_true", help="print the findings as JSON")
     dif = _command(sub, "diff", "one step of the plan beside the same step in fp32, module by "
                    "module; names the first module past the tolerance (exit status 1 if one "

@@ -3,13 +3,15 @@
 Where a low-precision run first departs from fp32 is the question `watch` leads to. `diff`
 runs one forward and backward of the plan on a copy of the model, and the same step in fp32 on
 another copy, records each module's output and the gradient of that output in both, and
-returns each module's relative error in execution order. `.first` names the first module whose
+returns each module's relative error in execution order: every call, every floating tensor
+returned, with the same random numbers in both runs. `.first` names the first module whose
 output error passes the tolerance: modules before it track fp32, so the precision is lost in
 it (the error then flows downstream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -19,13 +21,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from precision_annot._src.casting import cast_tree, first_floating
+from precision_annot._src.casting import cast_tree
 from precision_annot._src.dtypes import bf16, dtype_name, fp16, fp32
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.recording import Recorder, Returned, drop_recorders, relative_error
 from precision_annot._src.runtime import apply, plan_of, remove
-from precision_annot._src.samples import as_call, scalar_loss
+from precision_annot._src.samples import as_call, loss_of, scalar_loss
 from precision_annot._src.tables import format_table
 from precision_annot._src.wrappers import unwrap
 
@@ -45,15 +49,18 @@ class ModuleDiff:
     Attributes:
         name: the module's qualified name.
         dtype: the dtype the plan computes it in (None: it sets none).
-        output_error: the relative error of its output (its first call) against fp32.
-        grad_error: the relative error of the gradient of that output, or None when the step
-            had no backward through it.
+        output_error: the largest relative error against fp32 of what it returned: every
+            floating tensor, every call.
+        grad_error: the largest relative error of the gradients of those tensors, or None
+            when the step had no backward through them.
+        tensors: how many tensors were compared (1: one call returning one tensor).
     """
 
     name: str
     dtype: torch.dtype | None
     output_error: float
     grad_error: float | None
+    tensors: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +70,10 @@ class DiffReport:
     Attributes:
         modules: a `ModuleDiff` per module, in the order their forwards ran.
         tolerance: the relative error a module passes to be named.
-        first: the first module, in execution order, whose output error passes `tolerance`
-            (where the precision is lost), or None.
-        first_grad: the first module, in execution order of the backward (the last forward
-            first), whose gradient error passes `tolerance`, or None.
+        first: the module whose tensor is the first, in execution order (every call), to pass
+            `tolerance` (where the precision is lost), or None.
+        first_grad: the module whose gradient is the first, in the order the backward
+            computes them, to pass `tolerance`, or None.
     """
 
     modules: tuple[ModuleDiff, ...]
@@ -104,54 +111,52 @@ class DiffReport:
     def to_dict(self) -> dict[str, Any]:
         return {"tolerance": self.tolerance, "first": self.first, "first_grad": self.first_grad,
                 "modules": [{"name": m.name, "dtype": dtype_name(m.dtype),
-                             "output_error": m.output_error, "grad_error": m.grad_error}
+                             "output_error": m.output_error, "grad_error": m.grad_error,
+                             "tensors": m.tensors}
                             for m in self.modules]}
 
 
-class _Recorder:
-    """Each module's first output and the gradient of it, in float64."""
+class _Run:
+    """What one run of the step returned, recorded by the one `Recorder`: each floating
+    tensor every call of every module returned, and its gradient, in float64, by
+    (module, call, index); the tensors in the forward's order, the gradients in the
+    backward's."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.order: list[str] = []
-        self.outputs: dict[str, torch.Tensor] = {}
-        self.grads: dict[str, torch.Tensor] = {}
-        self.handles = [m.register_forward_hook(self._hook(n))
-                        for n, m in model.named_modules()]
+        self.order: list[Returned] = []
+        self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.grads: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.grad_order: list[Returned] = []
+        self.recorder = Recorder(dict(model.named_modules()), self._output, self._grad)
 
-    def _hook(self, name: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            if name in self.outputs:
-                return
-            first = first_floating(output)
-            if first is None:
-                return
-            self.order.append(name)
-            self.outputs[name] = first.detach().double().clone()
-            if first.requires_grad:
-                def grad(g: torch.Tensor) -> None:
-                    self.grads.setdefault(name, g.detach().double().clone())
+    def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, args: tuple[Any, ...]
+                ) -> None:
+        self.order.append(r)
+        self.outputs[r.key] = (self.outputs[r.same.key] if r.same is not None
+                               else t.detach().double().clone())
 
-                first.register_hook(grad)  # type: ignore[no-untyped-call]
-
-        return record
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+    def _grad(self, r: Returned, g: torch.Tensor) -> None:
+        if r.key in self.grads:
+            return  # a second backward through the same tensor
+        same = self.grads.get(r.same.key) if r.same is not None else None
+        self.grads[r.key] = same if same is not None else g.detach().double().clone()
+        self.grad_order.append(r)
 
 
 def _error(got: torch.Tensor | None, want: torch.Tensor | None) -> float | None:
-    """||got - want|| / ||want||; inf where `got` is not finite and `want` is."""
-    if got is None or want is None or got.shape != want.shape:
+    """The relative error of one tensor against fp32 (the one measure `suggest` uses too);
+    nan where fp32 itself holds nan: no reference to measure against."""
+    if got is None or want is None:
         return None
-    finite = torch.isfinite(want)
-    if not bool(finite.all()):
-        return math.nan  # fp32 itself is not finite here: no reference to measure against
-    if not bool(torch.isfinite(got).all()):
-        return math.inf
-    norm = float(want[finite].norm())
-    gap = float((got - want)[finite].norm())
-    return gap / norm if norm > 0 else (0.0 if gap == 0 else math.inf)
+    if bool(torch.isnan(want).any()):
+        return math.nan
+    return relative_error(got, want)
+
+
+def _worst(errors: list[float]) -> float:
+    """The largest error; nan only when every one is nan."""
+    known = [e for e in errors if not math.isnan(e)]
+    return max(known) if known else math.nan
 
 
 def _tolerance(plan: PrecisionPlan) -> float:
@@ -162,9 +167,9 @@ def _tolerance(plan: PrecisionPlan) -> float:
     return WIDE_TOLERANCE
 
 
-def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None
-         ) -> _Recorder:
-    recorder = _Recorder(model)
+def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tensor | None] | None
+         ) -> _Run:
+    run = _Run(model)
     try:
         args, kwargs = as_call(sample)
         output = model(*args, **kwargs)
@@ -172,27 +177,125 @@ def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tens
         if loss is not None and loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
-        recorder.close()
-    return recorder
+        run.recorder.close()
+    return run
 
 
-def _compare(planned: _Recorder, exact: _Recorder, plan: PrecisionPlan) -> list[ModuleDiff]:
-    """Each module both runs recorded, in the planned run's order."""
-    rows = []
-    for name in planned.order:
-        if name not in exact.outputs:
+class _SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """The random ops of the second run hand back what the first run's drew, in order (cast to
+    the second run's dtypes). Both runs start from the same generator state, but a kernel may
+    draw differently by dtype: CUDA's fused dropout gives a bf16 tensor another mask than an
+    fp32 one from the same state (seen on an H100, torch 2.11: an error of 0.99 at the
+    dropout). A run whose random ops stop matching the first's draws afresh from there."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.draws: list[tuple[Any, list[torch.Tensor]]] = []
+        self.replay: Iterator[tuple[Any, list[torch.Tensor]]] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return out
+        drawn = _drawn(func, out)
+        if self.replay is None:
+            self.draws.append((func, [t.detach().clone() for t in drawn]))
+            return out
+        recorded = next(self.replay, None)
+        if recorded is None or recorded[0] is not func or [t.shape for t in drawn] != [
+                t.shape for t in recorded[1]]:
+            self.replay = iter(())  # the runs no longer match: draw afresh from here
+            return out
+        for mine, theirs in zip(drawn, recorded[1], strict=True):
+            mine.copy_(theirs)
+        if func is torch.ops.aten.native_dropout.default:  # the output from the mask
+            p = args[1] if len(args) > 1 else kwargs["p"]
+            out[0].copy_(torch.ops.aten.native_dropout_backward(
+                args[0], out[1], 1.0 / (1.0 - p) if p < 1 else 0.0))
+        return out
+
+
+def _drawn(func: Any, out: Any) -> list[torch.Tensor]:
+    """The tensors a random op drew: dropout's mask, else every tensor it returned."""
+    if func is torch.ops.aten.native_dropout.default:
+        return [out[1]]
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _same_randomness() -> Iterator[Callable[[], None]]:
+    """Runs that draw the same random numbers (dropout's masks): `rewind()` puts the global
+    generators (CPU, and CUDA where it is in use) back where the first run started, and the
+    second run's random ops are handed the first run's draws; on exit the generators are where
+    the caller left them."""
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    devices = list(range(torch.cuda.device_count())) if initialized else []
+    draws = _SameDraws()
+    with torch.random.fork_rng(devices=devices), draws:
+        cpu = torch.get_rng_state()
+        cuda = [torch.cuda.get_rng_state(d) for d in devices]
+
+        def rewind() -> None:
+            torch.set_rng_state(cpu)
+            for device, state in zip(devices, cuda, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            draws.replay = iter(draws.draws)
+
+        yield rewind
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy without the hooks a recorder (a running `watch`) put on the model."""
+    copied = copy.deepcopy(model)
+    drop_recorders(copied)
+    return copied
+
+
+def _compare(planned: _Run, exact: _Run, plan: PrecisionPlan, tolerance: float
+             ) -> tuple[list[ModuleDiff], str | None, str | None, str | None]:
+    """Each module both runs recorded, in the planned run's order: its worst errors over
+    every tensor every call returned; the first module whose tensor passes `tolerance`, in
+    the forward's order and in the backward's; and the first whose fp32 tensor holds nan."""
+    outputs: dict[str, list[float]] = {}
+    grads: dict[str, list[float]] = {}
+    first = broken = None
+    for r in planned.order:
+        if r.key not in exact.outputs:
             continue
-        out = _error(planned.outputs[name], exact.outputs[name])
-        grad = _error(planned.grads.get(name), exact.grads.get(name))
+        error = _error(planned.outputs[r.key], exact.outputs[r.key])
+        out = math.nan if error is None else error
+        outputs.setdefault(r.name, []).append(out)
+        if first is None and out > tolerance:
+            first = r.name
+        if broken is None and math.isnan(out):
+            broken = r.name
+        grad = _error(planned.grads.get(r.key), exact.grads.get(r.key))
+        if grad is not None:
+            grads.setdefault(r.name, []).append(grad)
+    rows = []
+    for name, errors in outputs.items():
         entry = plan.get(name)
         rows.append(ModuleDiff(name, entry.policy.compute if entry is not None else None,
-                               math.nan if out is None else out, grad))
-    return rows
+                               _worst(errors), _worst(grads[name]) if name in grads else None,
+                               len(errors)))
+    return rows, first, _first_grad(planned, exact, set(outputs), tolerance), broken
 
 
-def _say_if_fp32_is_not_finite(rows: list[ModuleDiff], planned: _Recorder) -> None:
-    broken = next((r.name for r in rows if math.isnan(r.output_error)
-                   and planned.outputs.get(r.name) is not None), None)
+def _first_grad(planned: _Run, exact: _Run, compared: set[str], tolerance: float
+                ) -> str | None:
+    """The module whose gradient is the first, in the order the backward computed them, to
+    pass `tolerance`."""
+    for r in planned.grad_order:
+        grad = _error(planned.grads[r.key], exact.grads.get(r.key))
+        if r.name in compared and grad is not None and grad > tolerance:
+            return r.name
+    return None
+
+
+def _say_if_fp32_is_not_finite(broken: str | None) -> None:
     if broken is not None:
         warnings.warn(f"diff: the fp32 run itself holds values that are not finite from module "
                       f"{broken!r} on: no precision makes them finite, so they are not "
@@ -202,20 +305,23 @@ def _say_if_fp32_is_not_finite(rows: list[ModuleDiff], planned: _Recorder) -> No
 
 
 def diff(model: nn.Module, sample: Any, *,
-         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+         loss_fn: Callable[..., torch.Tensor] | None = None,
          tolerance: float | None = None) -> DiffReport:
     """One step of the plan against the same step in fp32, module by module.
 
     `model` is copied twice (it is not changed): one copy runs the plan (the one applied to
     it, else its annotations resolved), the other runs every parameter and buffer in fp32 with
-    no plan, both from the same values. Each module's first output, and the gradient of it,
-    is compared between the two.
+    no plan, both from the same values and the same random numbers (the fp32 run is handed
+    what each random op of the first drew, so dropout's masks are the same in both whatever
+    dtype they are drawn in; the caller's generators are left where they were). Every
+    floating tensor every call of a module returns, and its gradient, is compared between the
+    two.
 
     Args:
         model: the model (seen through wrappers).
         sample: a batch: a tensor, a dict of keyword arguments, or (args, kwargs).
-        loss_fn: `loss_fn(output, sample) -> loss`; by default the sum of the output's
-            floating tensors. (Default: None)
+        loss_fn: `loss_fn(output) -> loss` or `loss_fn(output, sample) -> loss`; by default
+            the sum of the output's floating tensors. (Default: None)
         tolerance: the relative error a module passes to be named `first`. (Default: None:
             2e-2 when the plan computes in fp16, 1e-1 in bf16, else 1e-3)
 
@@ -237,17 +343,17 @@ def diff(model: nn.Module, sample: Any, *,
             tolerance, (int, float)) or not 0 < tolerance < math.inf):
         raise ValueError(f"diff: tolerance is a relative error above 0, e.g. 1e-2. Received: "
                          f"tolerance={tolerance!r}")
+    loss = loss_of(loss_fn, "diff")
     inner = unwrap(model)
     plan = plan_of(inner, where="diff")
-    low = copy.deepcopy(inner)
+    low = _copy(inner)
     apply(low, plan)
-    reference = remove(copy.deepcopy(inner)).to(fp32)
+    reference = remove(_copy(inner)).to(fp32)
     tol = tolerance if tolerance is not None else _tolerance(plan)
-    planned = _run(low, sample, loss_fn)
-    exact = _run(reference, cast_tree(sample, fp32), loss_fn)
-    rows = _compare(planned, exact, plan)
-    _say_if_fp32_is_not_finite(rows, planned)
-    first = next((r.name for r in rows if r.output_error > tol), None)
-    first_grad = next((r.name for r in reversed(rows)
-                       if r.grad_error is not None and r.grad_error > tol), None)
+    with _same_randomness() as rewind:
+        planned = _run(low, sample, loss)
+        rewind()
+        exact = _run(reference, cast_tree(sample, fp32), loss)
+    rows, first, first_grad, broken = _compare(planned, exact, plan, tol)
+    _say_if_fp32_is_not_finite(broken)
     return DiffReport(tuple(rows), tol, first, first_grad)

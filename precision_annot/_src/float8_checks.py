@@ -1,11 +1,12 @@
 """What `check` says about a plan's fp8 GEMMs: layers fp8 kernels refuse, GEMMs too small to
-gain, fp8 planned where no Linear converts it, and fp8 comm a backend cannot all-gather."""
+gain, fp8 planned where no Linear converts it, fp8 comm a backend cannot all-gather, and a plan
+Accelerate's fp8 (`adapters.fp8.ao_recipe_kwargs`) refuses, by the rules it refuses by."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from precision_annot._src.dtypes import FP8, dtype_name
+from precision_annot._src.dtypes import FP8, FP8_RECIPES, bf16, dtype_name
 from precision_annot._src.execution import fp8_gemms
 from precision_annot._src.findings import Finding, listing
 from precision_annot._src.float8 import (
@@ -17,8 +18,10 @@ from precision_annot._src.float8 import (
     refusals,
 )
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
+from precision_annot._src.runtime import Subject, applied_plan
 
-__all__ = ["fp8_findings", "too_small"]
+__all__ = ["accelerate_findings", "accelerate_refusal", "fp8_findings", "one_gemm",
+           "too_small", "unapplied_islands"]
 
 #: backends that all-gather parameters and can do it in fp8 (FSDP2 with torchao's weights)
 _FP8_GATHER = frozenset({"fsdp"})
@@ -162,3 +165,71 @@ def _small(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Finding]:
             "more than the faster GEMM saves, so they run slower than in bf16.",
             f"Keep them in bf16 (annotate(model, {{{small[0]!r}: 'compute=bf16'}}) for each), "
             "as torchao's auto_filter_for_recipe would.", tuple(small))
+
+
+# -- Accelerate's fp8 --------------------------------------------------------------------------
+
+def one_gemm(gemms: dict[str, Gemm], what: str) -> Gemm:
+    """The plan's one fp8 GEMM kind, for a backend (`what`) that takes one fp8 config for the
+    whole model; a plan with none, several, or mxfp8 is refused with why."""
+    kinds = sorted({(g.recipe, g.all_gather) for g in gemms.values()})
+    if not kinds:
+        raise ValueError(f"{what}: the plan runs no GEMM in fp8 (no Linear layer has an fp8 "
+                         f"compute); valid fp8 computes: {', '.join(FP8_RECIPES)}.")
+    if len(kinds) > 1:
+        said = ", ".join(f"compute={r}" + (",comm=fp8" if a else "") for r, a in kinds)
+        raise ValueError(f"{what} takes one fp8 config for the whole model, and the plan has "
+                         f"{len(kinds)}: {said}. Use one recipe (and one comm) for every fp8 "
+                         "Linear, or precision_annot.apply, which converts each with its own.")
+    recipe, all_gather = kinds[0]
+    if recipe == "mxfp8":
+        raise ValueError(f"{what}: torchao's Float8LinearConfig has no mxfp8 recipe; "
+                         "precision_annot.apply converts mxfp8 Linear layers itself.")
+    return Gemm(recipe, all_gather)
+
+
+def unapplied_islands(given: Subject) -> list[str]:
+    """The modules Accelerate's fp8 would run in its bf16 autocast against the plan: those
+    planned to compute in another dtype (an fp32 island), unless the plan is applied to the
+    model (then their boundaries keep it inside Accelerate's autocast)."""
+    if given.model is not None and applied_plan(given.model) is not None:
+        return []
+    return [n for n, e in given.plan.items()
+            if e.policy.compute is not None and e.policy.compute != bf16 and not e.container]
+
+
+def accelerate_refusal(given: Subject) -> str | None:
+    """Why `adapters.fp8.ao_recipe_kwargs` refuses this plan, or None: the same rules it
+    raises by."""
+    islands = unapplied_islands(given)
+    if islands:
+        return (f"ao_recipe_kwargs: the plan computes {listing(islands)} in another dtype than "
+                "Accelerate's bf16 autocast, and Accelerate runs the whole forward under that "
+                "autocast, so they would run in bf16 unless the plan is applied. Call "
+                "precision_annot.apply(model, default='bf16-mixed') before accelerator.prepare("
+                "model): apply converts the fp8 layers itself (the filter then leaves them "
+                "alone) and its boundaries keep the islands in their dtype inside Accelerate's "
+                "autocast.")
+    given.require_facts("ao_recipe_kwargs", "which layers are Linear")
+    try:
+        one_gemm(fp8_gemms(given.plan), "ao_recipe_kwargs")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def accelerate_findings(given: Subject) -> list[Finding]:
+    """`check(..., config={"fp8": "accelerate"})`: a plan Accelerate's fp8 refuses at setup
+    (`ao_recipe_kwargs` raises before `Accelerator` exists) is an error before launch."""
+    refusal = accelerate_refusal(given)
+    if refusal is None:
+        return []
+    islands = unapplied_islands(given)
+    names = islands or list(fp8_gemms(given.plan))
+    fix = ("precision_annot.apply(model, default='bf16-mixed') before "
+           "fp8.ao_recipe_kwargs(model) and accelerator.prepare(model)" if islands else
+           "Plan one fp8 recipe (not mxfp8) for every fp8 Linear, or let precision_annot.apply "
+           "convert them (config={'fp8': 'apply'}).")
+    return [Finding("error", "fp8-accelerate-refused", names[0] if names else "",
+                    f"Accelerate's fp8 refuses this plan at setup: {refusal}", fix,
+                    tuple(names))]

@@ -134,7 +134,8 @@ class Policy:
         strings: "32-true", "16-true", "bf16-true", "64-true", and "16-mixed" and
         "bf16-mixed", which keep storage and comm in fp32 and compute in the low dtype; and
         "bf16-master", DeepSpeed's bf16 layout: bf16 parameters and compute, fp32 master
-        weights and fp32 gradient accumulation ("bf16-true,master=fp32,grad=fp32").
+        weights and fp32 gradient accumulation ("bf16-true,master=fp32,grad=fp32"), which is
+        DeepSpeed's `bf16_master_weights_and_grads: false` (its `true` keeps bf16 masters).
         """
         if not isinstance(text, str):
             raise TypeError(
@@ -216,6 +217,14 @@ class Policy:
         if self.storage is None:
             return True
         return update_rule(self.master, self.grad, self.optim, self.storage).master is not None
+
+    @property
+    def accumulates(self) -> bool:
+        """True when gradients accumulate wider than `storage` (what `UpdateRule` says for that
+        dtype: `.grad` is then held in `grad`)."""
+        if self.grad is None or self.storage is None or not self.storage.is_floating_point:
+            return False
+        return update_rule(None, self.grad, None, self.storage).grad != self.storage
 
 
 def _bare(dtype: torch.dtype) -> Policy:

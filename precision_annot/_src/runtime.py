@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from precision_annot._src import float8
+from precision_annot._src import float8, grads
 from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
+from precision_annot._src.checkpoints.loading import narrowed, warn_narrowed
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Key, Kind, Site, compile_plan
 from precision_annot._src.guards import paused_gc, require_module, require_plan, warn
@@ -54,6 +55,8 @@ class AppliedState:
     # trace as the pass-through they are there (eager code reads a thread-local instead, which
     # Dynamo cannot trace)
     tracing: bool = False
+    # the parameters whose gradients accumulate wider than they are stored (grad=fp32)
+    wide: grads.WideGrads | None = None
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
@@ -69,16 +72,35 @@ class AppliedState:
             "precision_annot.apply(model, plan) again to restore the plan (or "
             "precision_annot.remove(model) first to run without it).")
 
-    def check_loaded(self, model: nn.Module, incompatible: Any) -> None:
-        """`load_state_dict` post hook: `assign=True` may have put tensors of other dtypes."""
+    def before_load(self, model: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                    *args: Any) -> None:
+        """`load_state_dict` pre hook: name the tensors the checkpoint holds narrower than the
+        plan keeps them (their precision is gone before the load)."""
+        planned = {f"{prefix}{name}.{tname}" if name else f"{prefix}{tname}": target.dtype
+                   for (name, _, tname), target in self.execution.targets.items()
+                   if target.persistent}
+        warn_narrowed("load_state_dict", narrowed(planned, (
+            (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor))),
+            stacklevel=3)
+
+    def after_load(self, model: nn.Module, incompatible: Any) -> None:
+        """`load_state_dict` post hook: `assign=True` puts the checkpoint's own tensors in the
+        model, in the checkpoint's dtypes; each goes back to its planned dtype (the same
+        parameter object, its data cast), new parameters accumulate their gradients in the
+        plan's dtype, and the step guard learns the new parameters."""
         named = dict(model.named_modules())
+        moved = False
         for (name, kind, tname), target in self.execution.targets.items():
             module = named.get(name)
             tensor = None if module is None else get_tensor(module, kind, tname)
-            if tensor is not None and tensor.dtype != target.dtype:
-                self.warn_drift(f"{name}.{tname}" if name else tname, target.dtype,
-                                tensor.dtype, "load_state_dict")
-                return
+            if module is not None and tensor is not None and tensor.dtype != target.dtype:
+                state = ModuleState.of(module) or ModuleState(module, name)
+                state.cast(kind, tname, tensor.detach().to(target.dtype))
+                moved = True
+        if self.wide is not None:
+            self.wide.bind(model)
+        if moved:
+            guard.note([], guard.planned_updates(self.plan, named))
 
 
 class ReprSuffix:
@@ -198,9 +220,12 @@ class ModuleState:
         tensor = get_tensor(module, kind, name)
         if kind == "param" and tensor is not None:
             with torch.no_grad():
+                grad = tensor.grad
+                if grad is not None:
+                    tensor.grad = None
                 tensor.data = value
-                if tensor.grad is not None:
-                    tensor.grad = tensor.grad.to(value.dtype)
+                if grad is not None:  # in the dtype it accumulates in from now on
+                    tensor.grad = grad.to(getattr(tensor, "grad_dtype", None) or value.dtype)
         else:
             set_tensor(module, kind, name, value)
 
@@ -476,24 +501,35 @@ def _warn_rounded_again(originals: dict[Key, torch.dtype],
         "weights again (model.load_state_dict), then apply.", UserWarning, stacklevel=3)
 
 
-def _absorb_nested(model: nn.Module) -> dict[Key, torch.dtype]:
+def _absorb_nested(model: nn.Module) -> tuple[dict[Key, torch.dtype], list[nn.Parameter]]:
     """Originals recorded by earlier applies on this model or its submodules, as this model's
-    names; their states are dropped (and their load hooks removed), since this apply now owns
-    the tree."""
+    names, and the parameters they gave a wider gradient dtype; their states are dropped (and
+    their load and forward hooks removed), since this apply now owns the tree."""
     originals: dict[Key, torch.dtype] = {}
+    widened: list[nn.Parameter] = []
     for name, module in model.named_modules():
         state: AppliedState | None = module.__dict__.pop(_STATE_ATTR, None)
-        hooks = module._load_state_dict_post_hooks
-        for key in [k for k, h in hooks.items() if isinstance(getattr(h, "__self__", None),
-                                                                 AppliedState)]:
-            del hooks[key]
+        _drop_load_hooks(module)
         if state is None:
             continue
+        if state.wide is not None:
+            widened += state.wide.release(module)
         prefix = f"{name}." if name else ""
         for (mname, kind, tname), dtype in state.originals.items():
             full = f"{prefix}{mname}" if mname else name
             originals.setdefault((full, kind, tname), dtype)
-    return originals
+    return originals, widened
+
+
+def _drop_load_hooks(module: nn.Module) -> None:
+    """Take off the load hooks an `AppliedState` registered on `module`.
+
+    NOTE: the hooks are found in the module's own hook dicts (torch gives a handle, not a
+    lookup), the pre-hooks wrapped in torch's `_WrappedHook`."""
+    for hooks in (module._load_state_dict_post_hooks, module._load_state_dict_pre_hooks):
+        for key in [k for k, h in hooks.items() if isinstance(
+                getattr(getattr(h, "hook", h), "__self__", None), AppliedState)]:
+            del hooks[key]
 
 
 def apply(
@@ -517,9 +553,11 @@ def apply(
     optimizer that already holds state for them keeps that state in the old dtype.
 
     `apply` is idempotent and atomic: when the plan is already real nothing changes, and on
-    any error the model is left as it was. Call it again after `model.half()`,
-    `model.to(dtype)` or `load_state_dict(assign=True)` (a warning says when one of them
-    moved tensors off the plan) to restore the plan. `remove` undoes it.
+    any error the model is left as it was. Call it again after `model.half()` or
+    `model.to(dtype)` (a warning says when one of them moved tensors off the plan) to restore
+    the plan; loading a checkpoint keeps it (`load_state_dict`, `assign=True` included, puts
+    each tensor back in its planned dtype, and warns, naming them, about tensors the
+    checkpoint holds narrower than the plan keeps). `remove` undoes it.
 
     Args:
         model: the module tree (a wrapper such as `torch.compile`'s is seen through).
@@ -584,7 +622,8 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
         return
 
     prepared, current = _prepare(execution, named)
-    originals = _absorb_nested(root)
+    wide = grads.planned(plan, named, execution.targets)
+    originals, widened = _absorb_nested(root)
     _warn_rounded_again(originals, prepared)
     for key, dtype in current.items():  # kept from the first apply, if there was one
         originals.setdefault(key, dtype)
@@ -602,8 +641,22 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
         states[name].convert(gemm)
     state = AppliedState(plan, execution, originals, resolved=resolved)
     _install(states, execution, state)
-    root.register_load_state_dict_post_hook(state.check_loaded)  # type: ignore[no-untyped-call]
+    _widen(root, state, wide, widened)
+    root.register_load_state_dict_pre_hook(state.before_load)  # type: ignore[no-untyped-call]
+    root.register_load_state_dict_post_hook(state.after_load)  # type: ignore[no-untyped-call]
     object.__setattr__(root, _STATE_ATTR, state)
+
+
+def _widen(root: nn.Module, state: AppliedState, wide: tuple[grads.Entry, ...],
+           widened: list[nn.Parameter]) -> None:
+    """Give each parameter the plan's gradient dtype (`grad=fp32`); one an earlier apply
+    widened and this plan does not gets its own dtype back."""
+    named = dict(root.named_modules())
+    kept = {id(get_tensor(named[m], "param", t)) for m, t, _, _ in wide}
+    grads.own_dtype([p for p in widened if id(p) not in kept])
+    if wide:
+        state.wide = grads.WideGrads(wide)
+        state.wide.bind(root)
 
 
 def _prepare(execution: Execution, named: dict[str, nn.Module]
@@ -652,7 +705,7 @@ def remove(model: M) -> M:
     """
     require_module(model, "remove")
     root = unwrap(model)
-    originals = _absorb_nested(root)
+    originals, widened = _absorb_nested(root)
     named = dict(root.named_modules())
     for module in named.values():
         ModuleState.strip(module)
@@ -662,4 +715,5 @@ def remove(model: M) -> M:
         if module is not None and tensor is not None and tensor.dtype != dtype:
             ModuleState(module, name).cast(kind, tname, tensor.detach().to(dtype))
     guard.forget(root.parameters())
+    grads.own_dtype(widened)
     return model

@@ -7,6 +7,7 @@ positional argument).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from precision_annot._src.casting import floating_leaves
 
-__all__ = ["as_call", "scalar_loss", "step"]
+__all__ = ["as_call", "loss_of", "scalar_loss", "step"]
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -49,3 +50,33 @@ def step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] |
     if backward and loss is not None and loss.requires_grad:
         loss.backward()  # type: ignore[no-untyped-call]
     return output, loss
+
+
+def loss_of(loss_fn: Callable[..., Any] | None, where: str
+            ) -> Callable[[Any, Any], torch.Tensor | None] | None:
+    """`loss_fn(output)` or `loss_fn(output, sample)` (told apart by how many positional
+    parameters without a default it has, as `suggest` tells them), as `(output, sample) ->
+    loss`; the loss is checked to be a tensor. `where` names the caller in errors."""
+    if loss_fn is None:
+        return None
+    if not callable(loss_fn):
+        raise TypeError(f"{where}(loss_fn=...) is a function: output -> loss, or "
+                        f"(output, sample) -> loss. Received: loss_fn={loss_fn!r}")
+    try:
+        params = [p for p in inspect.signature(loss_fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+        two = len(params) >= 2
+    except (TypeError, ValueError):  # a builtin without a signature: one argument
+        two = False
+
+    def loss(output: Any, sample: Any) -> torch.Tensor | None:
+        value = loss_fn(output, sample) if two else loss_fn(output)
+        if value is not None and not (isinstance(value, torch.Tensor)
+                                      and value.is_floating_point()):
+            raise TypeError(f"{where}(loss_fn=...) must return a floating tensor computed "
+                            f"from the output (or None). Received: {value!r} (of type "
+                            f"{type(value).__name__})")
+        return value
+
+    return loss

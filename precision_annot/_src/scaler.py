@@ -27,6 +27,8 @@ class GradScaler(torch.amp.GradScaler):
     gradient narrower than the master it updates (fp16 storage, fp32 masters) is unscaled in
     the master's dtype, as Apex O2 does: `.grad` becomes the fp32 unscaled gradient, which
     clipping then sees and the step reads; in fp16 the smallest gradients would flush to zero.
+    With `grad=fp32` the gradients of fp16 (or bf16) parameters are already fp32 (`.grad`
+    accumulates in fp32) and are unscaled in fp32; `torch.amp.GradScaler` then works as well.
 
     Args:
         device: "cuda", "cpu", ...; None takes CUDA when it is available and the CPU

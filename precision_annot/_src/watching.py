@@ -1,6 +1,8 @@
 """`watch`: per-module numerics while a plan trains, against each module's own dtype limits.
 
-On every `every`-th step, each module's output and the gradient of that output are measured:
+On every `every`-th training step, each module's outputs and the gradients of those outputs are
+measured (every call of the module, every floating tensor it returns; a forward run without
+gradients between steps, an evaluation, is not a training step and is not recorded):
 their largest magnitude, how many values are past the point where one more doubling overflows
 (half the dtype's largest value) or below its smallest normal, and whether any is not finite,
 always against the dtype the tensor is held in (an fp16 module's output against fp16's 65504,
@@ -16,8 +18,7 @@ import json
 import math
 import sys
 import warnings
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -30,9 +31,10 @@ from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.recording import Recorder, Returned
 from precision_annot._src.runtime import plan_of
 from precision_annot._src.tables import format_table
-from precision_annot._src.wrappers import unwrap
+from precision_annot._src.wrappers import compiled, unwrap
 
 __all__ = ["Fp8Stats", "ModuleStats", "WatchRecord", "watch"]
 
@@ -40,8 +42,9 @@ __all__ = ["Fp8Stats", "ModuleStats", "WatchRecord", "watch"]
 NEAR = 0.5
 #: the statistics kept per tensor, in this order: largest magnitude, past NEAR, below the
 #: smallest normal (not zero), not finite, elements, and for an output whether the module's
-#: (first floating) input held values that were not finite
-_FIELDS = ("amax", "over", "under", "nonfinite", "numel", "in_nonfinite")
+#: (first floating) input held values that were not finite; a module's row merges its tensors
+#: (every call, every floating tensor returned) and counts them last
+_FIELDS = ("amax", "over", "under", "nonfinite", "numel", "in_nonfinite", "tensors")
 #: the floating dtypes a reduced record can carry, by code
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2)
@@ -49,16 +52,20 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.fl
 
 @dataclasses.dataclass(frozen=True)
 class ModuleStats:
-    """One module's output (or the gradient of its output) on one sampled step.
+    """One module's outputs (or the gradients of its outputs) on one sampled step: every
+    floating tensor every call of it returned, merged.
 
     Attributes:
-        dtype: the dtype the tensor is held in: the limits it is measured against.
-        amax: its largest magnitude among the finite values.
-        over: the share of its values past half the dtype's largest value (inf included).
-        under: the share below the dtype's smallest normal (zeros excluded).
-        nonfinite: how many of its values are inf or nan.
-        in_nonfinite: for an output, 1 when the module's input already held inf or nan (the
-            module did not make those), else 0 (reduced across ranks: how many ranks' did).
+        dtype: the dtype the tensor closest to its limit is held in: the limits `amax` is
+            measured against.
+        amax: that tensor's largest magnitude among the finite values.
+        over: the share of the values past half their dtype's largest value (inf included).
+        under: the share below their dtype's smallest normal (zeros excluded).
+        nonfinite: how many of the values are inf or nan.
+        in_nonfinite: for outputs, 1 when the input of the first call that returned values
+            not finite already held inf or nan (the module did not make those), else 0
+            (reduced across ranks: how many ranks' did).
+        tensors: how many tensors the row merges (1: one call returning one floating tensor).
     """
 
     dtype: torch.dtype
@@ -67,6 +74,7 @@ class ModuleStats:
     under: float
     nonfinite: int
     in_nonfinite: int = 0
+    tensors: int = 1
 
     @property
     def margin(self) -> float:
@@ -76,7 +84,8 @@ class ModuleStats:
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": dtype_name(self.dtype), "amax": self.amax, "over": self.over,
                 "under": self.under, "nonfinite": self.nonfinite,
-                "in_nonfinite": self.in_nonfinite, "margin": self.margin}
+                "in_nonfinite": self.in_nonfinite, "tensors": self.tensors,
+                "margin": self.margin}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,62 +196,43 @@ class WatchRecord:
 
 
 class _Step:
-    """The hooks of one sampled step, and what they measure (tensors: no sync until read)."""
+    """The recorder of one sampled step, and what it measures (tensors: no sync until read).
+
+    Every call of a module and every floating tensor it returns is measured on its own; a
+    module's row merges them (`_Row`). A tensor a container hands on unchanged from its child
+    is the child's: measured once, and its gradient too."""
 
     def __init__(self, named: dict[str, nn.Module]) -> None:
-        self.order: list[str] = []
-        self.outputs: dict[str, tuple[torch.dtype, torch.Tensor]] = {}
-        self.grads: dict[str, tuple[torch.dtype, torch.Tensor]] = {}
-        self.grad_order: list[str] = []
-        # a container that hands on its last child's output (Sequential, a wrapper) is not
-        # measured again: the same tensor object, unchanged, has the child's statistics and
-        # gradient (a weak reference: a freed tensor's address can be reused)
-        self.seen: dict[int, tuple[weakref.ref[torch.Tensor], str, int]] = {}
-        self.aliases: dict[str, str] = {}
+        #: (module, statistics) per tensor, in the forward's order, and per gradient in the
+        #: backward's
+        self.outputs: list[tuple[str, torch.dtype, torch.Tensor]] = []
+        self.grads: list[tuple[str, torch.dtype, torch.Tensor]] = []
+        self._measured: dict[Returned, tuple[torch.dtype, torch.Tensor]] = {}
+        self._grads: dict[Returned, tuple[torch.dtype, torch.Tensor]] = {}
         self.fp8: dict[str, list[tuple[str, torch.dtype, torch.Tensor]]] = {}
-        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in named.items()]
+        self.recorder = Recorder(named, self._output, self._grad, training_only=True)
 
-    def _hook(self, name: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            if name in self.outputs or torch.compiler.is_compiling():
-                return
-            first = first_floating(output)
-            if first is None:
-                return
-            self.order.append(name)
-            seen = self.seen.get(id(first))
-            if seen is not None and seen[0]() is first and seen[2] == first._version:
-                self.outputs[name] = self.outputs[seen[1]]
-                self.aliases[name] = seen[1]
-                return
-            self.seen[id(first)] = (weakref.ref(first), name, first._version)
+    def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, args: tuple[Any, ...]
+                ) -> None:
+        if r.same is not None:
+            entry = self._measured[r.same]
+        else:
             given = first_floating(args)
             given = None if given is None else given.detach()
-            if given is not None and _is_fp8_linear(module):
-                self.fp8[name] = _fp8_operands(module, given)
-            self.outputs[name] = (first.dtype, _measure(first.detach(), given))
-            if first.requires_grad:
-                def grad(g: torch.Tensor) -> None:
-                    if name not in self.grads:
-                        self.grad_order.append(name)
-                        self.grads[name] = (g.dtype, _measure(g.detach()))
+            if given is not None and r.call == 0 and r.name not in self.fp8 and (
+                    _is_fp8_linear(module)):
+                self.fp8[r.name] = _fp8_operands(module, given)
+            entry = self._measured[r] = (t.dtype, _measure(t.detach(), given))
+        self.outputs.append((r.name, *entry))
 
-                first.register_hook(grad)  # type: ignore[no-untyped-call]
-
-        return record
-
-    def finish(self) -> None:
-        """Give each container that handed on a child's tensor the child's gradient too, just
-        after the child in the backward's order (the child is the one that made it)."""
-        for name, child in self.aliases.items():
-            if child in self.grads and name not in self.grads:
-                self.grads[name] = self.grads[child]
-                self.grad_order.insert(self.grad_order.index(child) + 1, name)
+    def _grad(self, r: Returned, g: torch.Tensor) -> None:
+        entry = self._grads.get(r.same) if r.same is not None else None
+        if entry is None:
+            entry = self._grads[r] = (g.dtype, _measure(g.detach()))
+        self.grads.append((r.name, *entry))
 
     def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self.recorder.close()
 
 
 def _is_fp8_linear(module: nn.Module) -> bool:
@@ -299,19 +289,96 @@ def _measure(t: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor
     return torch.cat([amax, counts, size, came])
 
 
-def _all_stats(table: dict[str, tuple[torch.dtype, torch.Tensor]], order: list[str]
-               ) -> dict[str, ModuleStats]:
-    """The statistics of a step's tensors in `order`, read in one transfer (one sync)."""
-    if not order:
-        return {}
-    values = torch.stack([table[n][1] for n in order]).cpu()
-    return {n: _stats(table[n][0], values[i]) for i, n in enumerate(order)}
+class _Row:
+    """One module's tensors on one step, merged: the dtype and largest magnitude of the one
+    closest to its dtype's limit, the counts summed (each tensor's against its own dtype), and
+    whether the input of the first call that held values not finite already held them."""
+
+    def __init__(self, dtype: torch.dtype, values: list[float]) -> None:
+        self.dtype = dtype
+        self.values = [*values, 1.0]  # _FIELDS: the tensors' statistics, then the tensors
+
+    def add(self, dtype: torch.dtype, values: list[float]) -> None:
+        mine = self.values
+        if _margin(values[0], dtype) > _margin(mine[0], self.dtype):
+            self.dtype, mine[0] = dtype, values[0]
+        if values[3] and not mine[3]:
+            mine[5] = values[5]
+        for i in (1, 2, 3, 4):
+            mine[i] += values[i]
+        mine[6] += 1.0
 
 
-def _stats(dtype: torch.dtype, values: torch.Tensor) -> ModuleStats:
-    amax, over, under, nonfinite, numel, given = values.tolist()
+def _margin(amax: float, dtype: torch.dtype) -> float:
+    return amax / torch.finfo(dtype).max
+
+
+def _merged(events: list[tuple[str, torch.dtype, torch.Tensor]]
+            ) -> tuple[dict[str, _Row], str | None]:
+    """Each module's row over a step's tensors (read in one transfer: one sync), in the order
+    the modules first appear, and the module of the first tensor that held a value not
+    finite."""
+    if not events:
+        return {}, None
+    values = torch.stack([v for _, _, v in events]).cpu().tolist()
+    rows: dict[str, _Row] = {}
+    first = None
+    for (name, dtype, _), v in zip(events, values, strict=True):
+        if first is None and v[3]:
+            first = name
+        row = rows.get(name)
+        if row is None:
+            rows[name] = _Row(dtype, v)
+        else:
+            row.add(dtype, v)
+    return rows, first
+
+
+def _stats(dtype: torch.dtype, values: list[float]) -> ModuleStats:
+    amax, over, under, nonfinite, numel, given, tensors = values
     n = max(numel, 1.0)
-    return ModuleStats(dtype, amax, over / n, under / n, int(nonfinite), int(given))
+    return ModuleStats(dtype, amax, over / n, under / n, int(nonfinite), int(given),
+                       int(tensors))
+
+
+_COMPILED = (
+    "watch: the model ran compiled (torch.compile) on a sampled step. Compiled code runs no "
+    "module hook, so watch cannot see what its modules returned (it would record nothing). "
+    "Call the uncompiled model on the steps watch samples, e.g. "
+    "`out = (model if w.sampling else compiled)(batch)` with `compiled = torch.compile(model)`: "
+    "both share the parameters.")
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    if compiled(model):
+        raise ValueError(
+            "watch: the model is compiled (torch.compile). Compiled code runs no module hook, "
+            "so watch would record nothing. Give watch the uncompiled model, keep the "
+            "compiled one apart (`compiled = torch.compile(model)`, not `model.compile()`), "
+            "and call the uncompiled one while watch.sampling is True: "
+            "`out = (model if w.sampling else compiled)(batch)`. Received: "
+            f"model of type {type(model).__name__}")
+
+
+def _require_scaler(scaler: Any) -> None:
+    if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+        raise TypeError("watch: scaler is the GradScaler the run steps with "
+                        "(precision_annot.GradScaler or torch.amp.GradScaler), whose "
+                        "get_scale() watch reads to count skipped steps; or None. Received: "
+                        f"scaler={scaler!r} (of type {type(scaler).__name__})")
+
+
+def _open(path: str | Path) -> TextIO:
+    """The JSON-lines file a run appends to, its folder checked first."""
+    file = Path(path)
+    if not file.parent.is_dir():
+        raise FileNotFoundError(f"watch: path={str(path)!r} is in a folder that does not "
+                                f"exist ({str(file.parent)!r}): create it first, e.g. "
+                                "Path(path).parent.mkdir(parents=True, exist_ok=True).")
+    if file.is_dir():
+        raise IsADirectoryError(f"watch: path={str(path)!r} is a folder; path names the "
+                                "JSON-lines file each sampled step is appended to.")
+    return file.open("a")
 
 
 class watch:
@@ -320,7 +387,11 @@ class watch:
 
     Call `step()` once per training step, after the backward (and the optimizer step). The
     forward and backward of step 0, `every`, `2 * every`, ... are measured; the steps in
-    between run with nothing installed. Use it as a context manager, or `close()` it.
+    between run with nothing installed. Every call of a module counts, and every floating
+    tensor it returns; forwards run without gradients (an evaluation between steps) do not.
+    A compiled model runs no module hook: watch refuses one, and says so at the end of a
+    sampled step that ran compiled code; call the uncompiled model while `sampling` is True.
+    Use it as a context manager, or `close()` it.
 
     Args:
         model: the model being trained (seen through wrappers); its plan names the modules.
@@ -335,6 +406,7 @@ class watch:
 
     Attributes:
         history: every `WatchRecord` so far (this rank's, and the reduced ones).
+        sampling: whether the step now running is measured.
 
     Example:
         >>> import torch
@@ -356,6 +428,8 @@ class watch:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"watch: every is a number of steps, 1 or more. Received: "
                              f"every={every!r}")
+        _require_scaler(scaler)
+        _refuse_compiled(model)
         self.model = unwrap(model)
         self.plan: PrecisionPlan = plan_of(self.model, where="watch")
         self.named = dict(self.model.named_modules())
@@ -367,11 +441,17 @@ class watch:
         self.index = 0
         self.skipped = 0
         self._scale: float | None = None if scaler is None else float(scaler.get_scale())
-        self._said: set[tuple[str, str]] = set()
+        self._said: set[tuple[str, str, bool]] = set()
+        self._said_empty = False
         self._file: TextIO | None = None
         if path is not None:
-            self._file = Path(path).open("a")  # noqa: SIM115  # closed by close()
+            self._file = _open(path)
         self._current: _Step | None = _Step(self.named)
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the step now running is measured (its forward and backward are recorded)."""
+        return self._current is not None
 
     def __enter__(self) -> watch:
         return self
@@ -397,6 +477,9 @@ class watch:
         if current is not None:
             current.close()
             self._current = None
+            if current.recorder.compiled:
+                self.close()
+                raise RuntimeError(_COMPILED)
             record = self._record(current)
         self.index += 1
         if self.index % self.every == 0:
@@ -413,25 +496,38 @@ class watch:
         self._scale = scale
 
     def _record(self, current: _Step) -> WatchRecord:
-        current.finish()
-        outputs = _all_stats(current.outputs, current.order)
-        grads = _all_stats(current.grads, current.grad_order)
+        outputs, first = _merged(current.outputs)
+        grads, first_grad = _merged(current.grads)
+        if not outputs:
+            self._say_empty()
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        first = next((n for n in current.order if outputs[n].nonfinite), None)
-        first_grad = next((n for n in current.grad_order if grads[n].nonfinite), None)
         fp8 = {name: tuple(Fp8Stats(op, dtype, *values.tolist())
                            for op, dtype, values in ops)
                for name, ops in current.fp8.items()}
-        record = WatchRecord(self.index, outputs, grads, first, first_grad, self._scale,
+        record = WatchRecord(self.index, {n: _stats(r.dtype, r.values) for n, r in outputs.items()},
+                             {n: _stats(r.dtype, r.values) for n, r in grads.items()}, first,
+                             first_grad, self._scale,
                              None if self.scaler is None else self.skipped, rank, fp8)
         self._keep(record)
         if self.reduce and dist.is_available() and dist.is_initialized():
-            self._keep(self._reduced(current, record))
+            self._keep(self._reduced(outputs, grads, record))
         return record
+
+    def _say_empty(self) -> None:
+        if self._said_empty or not self.warn:
+            return
+        self._said_empty = True
+        warnings.warn(f"watch: step {self.index} was sampled, but no module of the model ran a "
+                      "forward with gradients since the step before it, so there is nothing "
+                      "to record: call step() once per training step, after its backward. (A "
+                      "model compiled after watch started runs code that module hooks do not "
+                      "see: call the uncompiled model while watch.sampling is True.)",
+                      UserWarning, stacklevel=4)
 
     def _keep(self, record: WatchRecord) -> None:
         self.history.append(record)
-        if self._file is not None:
+        if self._file is not None and (record.rank != "all" or dist.get_rank() == 0):
+            # one reduced record per step in a file the ranks share: rank 0's
             self._file.write(json.dumps(record.to_dict()) + "\n")
             self._file.flush()
         if self.warn and self._speaks(record):
@@ -446,21 +542,22 @@ class watch:
             return record.rank == "all" and dist.get_rank() == 0
         return record.rank != "all"
 
-    def _reduced(self, current: _Step, mine: WatchRecord) -> WatchRecord:
+    def _reduced(self, outputs: dict[str, _Row], grads: dict[str, _Row], mine: WatchRecord
+                 ) -> WatchRecord:
         """This step over every rank: the largest magnitude, summed counts. Every module of the
         model has a row on every rank, so that the collectives line up even where a rank ran a
         module the others skipped (an expert no token was routed to); the dtype travels as a
         code, and a module no rank ran is left out."""
         codes = list(_DTYPES)
+        index = {n: i for i, n in enumerate(self.named)}
 
-        def reduce(table: dict[str, tuple[torch.dtype, torch.Tensor]], order: list[str]
-                   ) -> dict[str, ModuleStats]:
+        def reduce(table: dict[str, _Row]) -> dict[str, ModuleStats]:
             rows = torch.zeros(len(self.named), len(_FIELDS) + 2, dtype=torch.float64)
-            index = {n: i for i, n in enumerate(self.named)}
-            for name, (dtype, values) in table.items():
-                rows[index[name], : len(_FIELDS)] = values.cpu()
+            for name, row in table.items():
+                rows[index[name], : len(_FIELDS)] = torch.tensor(row.values)
                 rows[index[name], -2] = 1.0  # ran here
-                rows[index[name], -1] = float(codes.index(dtype) if dtype in codes else 0)
+                rows[index[name], -1] = float(codes.index(row.dtype) if row.dtype in codes
+                                              else 0)
             amax = rows[:, :1].clone()
             if dist.get_backend() == "nccl":  # its collectives take CUDA tensors only
                 device = torch.device("cuda", torch.cuda.current_device())
@@ -472,36 +569,40 @@ class watch:
             dist.all_reduce(code, op=dist.ReduceOp.MAX)
             merged = torch.cat([amax, counts[:, :-1]], dim=1).cpu()
             ran, code = counts[:, -1].cpu(), code[:, 0].cpu()
-            ordered = [*order, *(n for n in self.named if n not in table)]
-            return {n: _stats(codes[int(code[index[n]])], merged[index[n]])
+            ordered = [*table, *(n for n in self.named if n not in table)]
+            return {n: _stats(codes[int(code[index[n]])], merged[index[n]].tolist())
                     for n in ordered if ran[index[n]] > 0}
 
-        outputs = reduce(current.outputs, current.order)
-        grads = reduce(current.grads, current.grad_order)
-        first = next((n for n in outputs if outputs[n].nonfinite), None)
-        first_grad = next((n for n in grads if grads[n].nonfinite), None)
-        return WatchRecord(mine.step, outputs, grads, first, first_grad, mine.scale,
-                           mine.skipped, "all")
+        out = reduce(outputs)
+        back = reduce(grads)
+        first = next((n for n in out if out[n].nonfinite), None)
+        first_grad = next((n for n in back if back[n].nonfinite), None)
+        return WatchRecord(mine.step, out, back, first, first_grad, mine.scale, mine.skipped,
+                           "all")
 
     def _say(self, record: WatchRecord) -> None:
-        """The first module at its limit in the forward's order, and the first in the
-        backward's: the ones after it inherit its values, so they are not named too. A
-        backward that follows a forward with values not finite inherits them, so it is not
-        named then; nor are gradients under a watched GradScaler, which keeps them as close to
-        the limit as it can and skips the steps that pass it (`skipped` counts them)."""
-        for kind, table in (("output", record.outputs), ("grad", record.grads)):
-            if kind == "grad" and record.first_nonfinite is not None:
+        """Per direction, the first module at its limit in that direction's order, and the
+        first whose values are not finite, each once: the ones after them inherit their
+        values, so they are not named too, but a module that overflows after another was
+        said to be near its limit is. A backward that follows a forward with values not finite
+        inherits them, so it is not named then; nor are gradients under a watched GradScaler,
+        which keeps them as close to the limit as it can and skips the steps that pass it
+        (`skipped` counts them)."""
+        for kind, table, first in (("output", record.outputs, record.first_nonfinite),
+                                   ("grad", record.grads, record.first_nonfinite_grad)):
+            if kind == "grad" and (record.first_nonfinite is not None
+                                   or self.scaler is not None):
                 continue
-            module, s = next(((m, s) for m, s in table.items()
-                              if s.margin >= NEAR or s.nonfinite), (None, None))
-            if module is None or s is None or (module, kind) in self._said:
-                continue
-            if kind == "grad" and self.scaler is not None:
-                continue
-            self._said.add((module, kind))
-            first_back = kind == "grad" and module == next(iter(table))
-            warnings.warn(self.message(module, kind, s, record.step, from_loss=first_back),
-                          UserWarning, stacklevel=3)
+            near = next((m for m, s in table.items() if s.margin >= NEAR or s.nonfinite), None)
+            for module in dict.fromkeys(m for m in (near, first) if m is not None):
+                s = table[module]
+                key = (module, kind, bool(s.nonfinite))
+                if key in self._said:
+                    continue
+                self._said.add(key)
+                first_back = kind == "grad" and module == next(iter(table))
+                warnings.warn(self.message(module, kind, s, record.step, from_loss=first_back),
+                              UserWarning, stacklevel=3)
 
     def message(self, module: str, kind: str, s: ModuleStats, step: int, *,
                 from_loss: bool = False) -> str:
@@ -540,12 +641,28 @@ class watch:
         return (r for r in self.history if rank is None or r.rank == rank)
 
 
-def _read(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The records of a JSON-lines file `watch` wrote, rank 0's and the reduced ones."""
-    for line in Path(path).read_text().splitlines():
-        record = json.loads(line) if line.strip() else None
-        if record is not None and record.get("rank") in (0, "all"):
-            yield record
+def _read(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file `watch` wrote, checked."""
+    records = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"line {n} is not JSON ({e})") from e
+        if not isinstance(record, dict) or not {"step", "rank", "outputs", "grads"} <= set(
+                record):
+            raise ValueError(f"line {n} is not a record watch wrote (a JSON object with step, "
+                             f"rank, outputs and grads): {line[:60]!r}")
+        records.append(record)
+    return records
+
+
+def _steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per step, the record reduced across ranks where there is one, else each rank's own."""
+    reduced = {r["step"] for r in records if r["rank"] == "all"}
+    return [r for r in records if r["rank"] == "all" or r["step"] not in reduced]
 
 
 def _tensors(record: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, Any]]]:
@@ -584,10 +701,12 @@ def report(path: str | Path, top: int = 10) -> str:
     tensor's worst step (values not finite first, then the largest margin)."""
     worst: dict[tuple[str, str], tuple[tuple[bool, float], int, dict[str, Any]]] = {}
     fp8: dict[tuple[str, str], tuple[float, int, float]] = {}
-    steps = 0
-    for record in _read(path):
-        steps += 1
-        _worst_fp8(fp8, record)
+    records = _read(path)
+    for record in records:
+        _worst_fp8(fp8, record)  # each rank's own (fp8 statistics are not reduced)
+    steps: set[int] = set()
+    for record in _steps(records):
+        steps.add(record["step"])
         for module, kind, stats in _tensors(record):
             score = (stats["nonfinite"] > 0, stats["margin"])
             if (module, kind) not in worst or score > worst[(module, kind)][0]:
@@ -598,14 +717,14 @@ def report(path: str | Path, top: int = 10) -> str:
                                                    key=lambda kv: kv[1][0], reverse=True)[:top]:
         rows.append((module or "(root)", kind, stats["dtype"], f"{stats['margin']:.2%}",
                      str(step), str(stats["nonfinite"])))
-    return "\n".join([f"{steps} sampled steps in {path}; the closest to their limits:",
+    return "\n".join([f"{len(steps)} sampled steps in {path}; the closest to their limits:",
                       *format_table(rows, right={3, 4, 5}), *_fp8_table(fp8, top)])
 
 
 def _series(path: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Each tensor's margin over the steps (inf where values were not finite), by label."""
     series: dict[str, list[tuple[int, float]]] = {}
-    for record in _read(path):
+    for record in _steps(_read(path)):
         for module, kind, stats in _tensors(record):
             label = f"{module or '(root)'} {'out' if kind == 'output' else 'grad'} " \
                     f"({stats['dtype']})"

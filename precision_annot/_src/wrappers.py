@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["unwrap"]
+__all__ = ["compiled", "unwrap"]
 
 # wrapper class name -> the attribute holding the wrapped model
 _WRAPPERS: dict[str, str] = {
@@ -25,11 +25,33 @@ _WRAPPERS: dict[str, str] = {
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside every known wrapper around `model` (itself when there is none)."""
     for _ in range(16):
-        attr = _WRAPPERS.get(type(model).__name__)
-        inner = model.__dict__.get(attr) if attr else None
-        if inner is None and attr:  # registered as a submodule, not a plain attribute
-            inner = model._modules.get(attr)
-        if not isinstance(inner, nn.Module):
+        inner = unwrap_once(model)
+        if inner is None:
             return model
         model = inner
     return model
+
+
+def compiled(model: nn.Module) -> bool:
+    """Whether `model`, or a wrapper around it, runs compiled: `torch.compile(model)`, or
+    `model.compile()`, whose compiled call torch keeps on the module itself.
+
+    NOTE: `nn.Module.compile` leaves no public trace but `_compiled_call_impl`."""
+    for _ in range(16):
+        if type(model).__name__ == "OptimizedModule" or getattr(
+                model, "_compiled_call_impl", None) is not None:
+            return True
+        inner = unwrap_once(model)
+        if inner is None:
+            return False
+        model = inner
+    return False
+
+
+def unwrap_once(model: nn.Module) -> nn.Module | None:
+    """The model one known wrapper holds, or None when `model` is not one."""
+    attr = _WRAPPERS.get(type(model).__name__)
+    inner = model.__dict__.get(attr) if attr else None
+    if inner is None and attr:  # registered as a submodule, not a plain attribute
+        inner = model._modules.get(attr)
+    return inner if isinstance(inner, nn.Module) else None

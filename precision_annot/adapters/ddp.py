@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import GradBucket  # type: ignore[attr-defined]  # public, not in stubs
 
-from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.check_backend import LOOP_KEYS, CheckBackend, Checked
+from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.findings import Finding, drift, listing
+from precision_annot._src.grads import Pending, pending
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.runtime import Subject
 
-__all__ = ["Bucket", "buckets", "comm_hook", "findings", "hook_name", "hooked_modules", "reduced",
-           "registered_hooks"]
+__all__ = ["CHECKS", "Bucket", "DDPChecks", "buckets", "comm_hook", "findings", "hook_name",
+           "hooked_modules", "reduced", "registered_hooks"]
 
 #: DDP's defaults: `bucket_cap_mb`, and the smaller first bucket it rebuilds after one step.
 BUCKET_CAP_MB = 25
@@ -32,6 +35,25 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 _PLAN_ATTR = "precision_plan"  # set on the hooks comm_hook returns, to know them again
 
 CommHook = Callable[[Any, GradBucket], "torch.futures.Future[torch.Tensor]"]
+
+
+class _Span(NamedTuple):
+    """One parameter's gradient in a bucket: where, and its fp32 sum when the reduction reads
+    that instead (`grad=fp32` with a `comm` wider than the parameter)."""
+
+    offset: int
+    numel: int
+    wide: Pending | None
+
+
+def _wide_source(p: torch.Tensor, comm: torch.dtype, bucket: torch.dtype) -> Pending | None:
+    """The fp32 gradient sum of a parameter whose plan accumulates wider than it is stored,
+    when its `comm` is wider than the bucket DDP gave it: the reduction reads the sum, not its
+    rounding in the bucket."""
+    found = pending(p)
+    if found is None or found.wide is None or comm == bucket or not wider(comm, bucket):
+        return None
+    return found
 
 
 def comm_hook(plan: PrecisionPlan) -> CommHook:
@@ -60,12 +82,13 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
         group = state if isinstance(state, dist.ProcessGroup) else None
         world = dist.get_world_size(group)
         buffer = bucket.buffer()
-        groups: dict[torch.dtype, list[tuple[int, int]]] = {}
+        groups: dict[torch.dtype, list[_Span]] = {}
         offset = 0
         for p in bucket.parameters():
             n = p.numel()
             dtype = comm_of.get(id(p)) or buffer.dtype
-            groups.setdefault(dtype, []).append((offset, n))
+            groups.setdefault(dtype, []).append(_Span(offset, n, _wide_source(p, dtype,
+                                                                              buffer.dtype)))
             offset += n
         if list(groups) == [buffer.dtype]:
             buffer.div_(world)
@@ -75,10 +98,12 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
                 lambda f: f.value()[0]
             )
             return fut
-        packed: list[tuple[list[tuple[int, int]], torch.Tensor]] = []
+        packed: list[tuple[list[_Span], torch.Tensor]] = []
         futures = []
         for dtype, spans in groups.items():
-            flat = torch.cat([buffer[o:o + n] for o, n in spans]).to(dtype).div_(world)
+            flat = torch.cat([buffer[s.offset:s.offset + s.numel] if s.wide is None
+                              else s.wide.wide.reshape(-1) for s in spans]  # type: ignore[union-attr]
+                             ).to(dtype).div_(world)
             work = dist.all_reduce(flat, group=group, async_op=True)
             assert work is not None
             futures.append(work.get_future())
@@ -87,9 +112,13 @@ def comm_hook(plan: PrecisionPlan) -> CommHook:
         def unpack(_: Any) -> torch.Tensor:
             for spans, flat in packed:
                 at = 0
-                for o, n in spans:
-                    buffer[o:o + n].copy_(flat[at:at + n])
-                    at += n
+                for span in spans:
+                    part = flat[at:at + span.numel]
+                    buffer[span.offset:span.offset + span.numel].copy_(part)
+                    if span.wide is not None:  # the fp32 sum itself, reduced in comm
+                        span.wide.wide.view(-1).copy_(part)  # type: ignore[union-attr]
+                        span.wide.reduced = True
+                    at += span.numel
             return buffer
 
         done: torch.futures.Future[torch.Tensor] = torch.futures.collect_all(futures).then(unpack)
@@ -271,3 +300,20 @@ def _mixed_buckets(plan: PrecisionPlan, bucket_cap_mb: float | None) -> list[Fin
         "the model's), or accept the extra all-reduces.",
         tuple(names),
     )]
+
+
+class DDPChecks(CheckBackend):
+    """`check(..., "ddp")`: a `DistributedDataParallel` model's comm hook (or the plan's, when
+    given a plan or an unwrapped model), and its buckets."""
+
+    name = "ddp"
+    keys = ("bucket_cap_mb", *LOOP_KEYS)
+
+    def run(self, given: Subject, options: Any) -> Checked:
+        wrapped = given.wrapped
+        ddp_model = wrapped if isinstance(wrapped, nn.parallel.DistributedDataParallel) else None
+        return Checked(findings(given.plan, ddp_model, **self.without_loop(options)),
+                       reduced(given.plan, ddp_model)[0])
+
+
+CHECKS = DDPChecks()

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from precision_annot._src.dtypes import FP8_RECIPES, bf16, dtype_name, fp32
+from precision_annot._src.dtypes import dtype_name, fp32
 from precision_annot._src.execution import fp8_gemms
-from precision_annot._src.findings import listing
 from precision_annot._src.float8 import Gemm, config, plain_class
+from precision_annot._src.float8_checks import accelerate_refusal, one_gemm
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.runtime import applied_plan, subject
+from precision_annot._src.runtime import subject
 from precision_annot.adapters.transformers import router_names
 
 __all__ = ["BackendSettings", "ao_recipe_kwargs", "float8_config", "megatron_args",
@@ -38,23 +38,6 @@ def _gemms(model_or_plan: nn.Module | PrecisionPlan) -> dict[str, Gemm]:
     given = subject(model_or_plan, "fp8")
     given.require_facts("fp8", "which layers are Linear")
     return fp8_gemms(given.plan)
-
-
-def _one_gemm(gemms: dict[str, Gemm], what: str) -> Gemm:
-    kinds = sorted({(g.recipe, g.all_gather) for g in gemms.values()})
-    if not kinds:
-        raise ValueError(f"{what}: the plan runs no GEMM in fp8 (no Linear layer has an fp8 "
-                         f"compute); valid fp8 computes: {', '.join(FP8_RECIPES)}.")
-    if len(kinds) > 1:
-        said = ", ".join(f"compute={r}" + (",comm=fp8" if a else "") for r, a in kinds)
-        raise ValueError(f"{what} takes one fp8 config for the whole model, and the plan has "
-                         f"{len(kinds)}: {said}. Use one recipe (and one comm) for every fp8 "
-                         "Linear, or precision_annot.apply, which converts each with its own.")
-    recipe, all_gather = kinds[0]
-    if recipe == "mxfp8":
-        raise ValueError(f"{what}: torchao's Float8LinearConfig has no mxfp8 recipe; "
-                         "precision_annot.apply converts mxfp8 Linear layers itself.")
-    return Gemm(recipe, all_gather)
 
 
 def module_filter(model_or_plan: nn.Module | PrecisionPlan) -> Callable[[nn.Module, str], bool]:
@@ -73,27 +56,7 @@ def module_filter(model_or_plan: nn.Module | PrecisionPlan) -> Callable[[nn.Modu
 def float8_config(model_or_plan: nn.Module | PrecisionPlan) -> Any:
     """torchao's `Float8LinearConfig` for the plan's one fp8 recipe (with FSDP2's fp8
     all-gather when its fp8 layers have comm=fp8)."""
-    return config(_one_gemm(_gemms(model_or_plan), "float8_config"))
-
-
-def _require_applied_islands(model_or_plan: nn.Module | PrecisionPlan) -> None:
-    """Accelerate's fp8 runs the whole forward under its own bf16 autocast: a module planned to
-    compute in another dtype (an fp32 island) keeps it only through the plan's boundaries, so
-    the plan must be applied before `accelerator.prepare` (measured: an fp32 LayerNorm island
-    ran `native_layer_norm` on bf16 inputs otherwise)."""
-    given = subject(model_or_plan, "ao_recipe_kwargs")
-    if given.model is not None and applied_plan(given.model) is not None:
-        return
-    islands = [n for n, e in given.plan.items()
-               if e.policy.compute is not None and e.policy.compute != bf16 and not e.container]
-    if islands:
-        raise ValueError(
-            f"ao_recipe_kwargs: the plan computes {listing(islands)} in another dtype than "
-            "Accelerate's bf16 autocast, and Accelerate runs the whole forward under that "
-            "autocast, so they would run in bf16 unless the plan is applied. Call "
-            "precision_annot.apply(model, default='bf16-mixed') before accelerator.prepare("
-            "model): apply converts the fp8 layers itself (the filter then leaves them alone) "
-            "and its boundaries keep the islands in their dtype inside Accelerate's autocast.")
+    return config(one_gemm(_gemms(model_or_plan), "float8_config"))
 
 
 def ao_recipe_kwargs(model_or_plan: nn.Module | PrecisionPlan) -> Any:
@@ -107,8 +70,10 @@ def ao_recipe_kwargs(model_or_plan: nn.Module | PrecisionPlan) -> Any:
     """
     from accelerate.utils import AORecipeKwargs
 
-    _require_applied_islands(model_or_plan)
-    gemm = _one_gemm(_gemms(model_or_plan), "ao_recipe_kwargs")
+    refusal = accelerate_refusal(subject(model_or_plan, "ao_recipe_kwargs"))
+    if refusal is not None:
+        raise ValueError(refusal)
+    gemm = one_gemm(_gemms(model_or_plan), "ao_recipe_kwargs")
     return AORecipeKwargs(config=config(gemm), module_filter_func=module_filter(model_or_plan))
 
 

@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from precision_annot._src.annotation import annotate
-from precision_annot._src.dtypes import FP8_RECIPES, dtype_name, fp16, fp32, to_dtype, wider
+from precision_annot._src.checkpoints.loading import narrowed, warn_narrowed
+from precision_annot._src.dtypes import FP8_RECIPES, bf16, dtype_name, fp16, fp32, to_dtype, wider
 from precision_annot._src.float8 import plain_class
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.resolution import resolve
@@ -57,12 +58,16 @@ class HFKeepInFP32:
     when every floating-point tensor in its subtree matches (T5's `wo` layers, BLIP-2's
     `qformer`), or when it holds a matching tensor itself and its submodules hold none: then
     its other tensors are kept in fp32 with it (DeepSeek-V3's router keeps its weight in fp32
-    beside its `e_score_correction_bias`). Wider than transformers, never narrower. A matching
-    tensor on a module whose submodules hold tensors of their own (RWKV's `time_decay`, BLIP-2's
-    `query_tokens`) selects nothing: `rules` warns about it.
+    beside its `e_score_correction_bias`). Wider than transformers, never narrower.
+
+    A matching tensor on a module whose submodules hold tensors of their own (RWKV's
+    `time_decay`, an attention's `sinks` beside its projections, a mixture's
+    `e_score_correction_bias` beside its experts) is not selected so; `beside=True` selects
+    exactly those modules, which `rules` stores in fp32 with their submodules.
     """
 
     pattern: str
+    beside: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_regex", re.compile(self.pattern.replace("*", ".*")))
@@ -73,15 +78,16 @@ class HFKeepInFP32:
         return regex.search(tensor_name) is not None
 
     def __call__(self, name: str, module: nn.Module) -> bool:
-        direct = _tensor_names(name, module, recurse=False)
-        if any(map(self.matches, direct)) and not any(
-                _tensor_names("", child, recurse=True) for child in module.children()):
-            return True
+        holds = any(map(self.matches, _tensor_names(name, module, recurse=False)))
+        children_hold = any(_tensor_names("", child, recurse=True) for child in module.children())
         subtree = _tensor_names(name, module, recurse=True)
-        return bool(subtree) and all(map(self.matches, subtree))
+        whole = bool(subtree) and all(map(self.matches, subtree))
+        if self.beside:
+            return holds and children_hold and not whole
+        return (holds and not children_hold) or whole
 
     def __repr__(self) -> str:
-        return f"keep_in_fp32({self.pattern!r})"
+        return f"keep_in_fp32({self.pattern!r}{', beside=True' if self.beside else ''})"
 
 
 def _tensor_names(name: str, module: nn.Module, *, recurse: bool) -> list[str]:
@@ -93,7 +99,7 @@ def _tensor_names(name: str, module: nn.Module, *, recurse: bool) -> list[str]:
 
 
 def rules(model: nn.Module, dtype: torch.dtype | str | None = None
-          ) -> list[tuple[HFKeepInFP32, str]]:
+          ) -> list[tuple[HFKeepInFP32 | str, str]]:
     """`annotate` rules that keep the model's own fp32 modules in fp32.
 
     Args:
@@ -109,12 +115,19 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
         transformers, where the fp32 output flows on (handed back in fp16 instead, T5's
         overflowing `wo` output becomes inf). One rule per entry that
         selects a module of this model (entries for parts this configuration does not build,
-        such as the experts of a dense variant, are left out). Empty when the model lists
+        such as the experts of a dense variant, are left out). A kept tensor on a module whose
+        submodules hold tensors of their own (an attention's `sinks`, a mixture's
+        `e_score_correction_bias` beside its experts) gets a
+        `(HFKeepInFP32(entry, beside=True), "storage=fp32")` rule: that module is stored in
+        fp32 and computes as the rest of the model; with `dtype` given, each of its other
+        submodules gets `(name, "storage=<dtype>")`, so they stay as transformers stores them.
+        Every tensor transformers keeps in fp32 is fp32 in the plan. Empty when the model lists
         nothing.
 
     Warns:
-        UserWarning: when an entry names tensors that no module-level rule can keep in fp32
-            without also keeping submodules in fp32 (see `HFKeepInFP32`), naming the tensors.
+        UserWarning: when, with `dtype` None, such modules are stored in fp32 with their
+            submodules (wider than transformers, which keeps the single tensors), naming the
+            tensors and the parameters widened.
 
     Example:
         >>> from precision_annot import annotate  # doctest: +SKIP
@@ -122,17 +135,49 @@ def rules(model: nn.Module, dtype: torch.dtype | str | None = None
     """
     modules = list(model.named_modules())
     selectors = [HFKeepInFP32(p) for p in _kept_patterns(model, dtype)]
-    chosen: list[tuple[HFKeepInFP32, str]] = []
-    kept: list[str] = []
-    for selector in selectors:
-        selected = [n for n, m in modules if selector(n, m)]
-        if selected:
-            chosen.append((selector, KEPT))
-            kept += selected
-    _warn_unkept([t for n, m in modules for t in _tensor_names(n, m, recurse=False)
-                  if any(s.matches(t) for s in selectors)
-                  and not any(k == "" or t.startswith(k + ".") for k in kept)])
+    chosen, kept = _selected(modules, selectors, KEPT, [])
+    beside, holders = _selected(modules, [HFKeepInFP32(s.pattern, beside=True)
+                                          for s in selectors], "storage=fp32", kept)
+    chosen += beside  # kept tensors beside submodules: their modules stored in fp32
+    if dtype is not None:  # their other submodules stay in the dtype transformers loads
+        chosen += [(n, f"storage={dtype_name(to_dtype(dtype, field='dtype'))}")
+                   for n in _besides(dict(modules), holders, kept)]
+    else:
+        _warn_widened(model, [t for n, m in modules for t in _tensor_names(n, m, recurse=False)
+                              if any(s.matches(t) for s in selectors) and not _under(t, kept)],
+                      sorted(set(holders)))
     return chosen
+
+
+def _selected(modules: list[tuple[str, nn.Module]], selectors: list[HFKeepInFP32], spec: str,
+              kept: list[str]) -> tuple[list[tuple[HFKeepInFP32 | str, str]], list[str]]:
+    """One `(selector, spec)` rule per selector that picks a module outside `kept`, and the
+    modules picked."""
+    rules: list[tuple[HFKeepInFP32 | str, str]] = []
+    picked: list[str] = []
+    for selector in selectors:
+        selected = [n for n, m in modules if selector(n, m) and not _under(n, kept)]
+        if selected:
+            rules.append((selector, spec))
+            picked += selected
+    return rules, picked
+
+
+def _besides(named: dict[str, nn.Module], holders: list[str], kept: list[str]) -> list[str]:
+    """The children of the holders that hold tensors and are neither kept nor holders."""
+    out = []
+    for holder in dict.fromkeys(holders):
+        for cname, child in named[holder].named_children():
+            full = f"{holder}.{cname}" if holder else cname
+            if (_tensor_names(full, child, recurse=True) and not _under(full, kept)
+                    and full not in holders):
+                out.append(full)
+    return out
+
+
+def _under(name: str, modules: list[str]) -> bool:
+    """Whether `name` is one of `modules` or inside one."""
+    return any(m == "" or name == m or name.startswith(m + ".") for m in modules)
 
 
 def _kept_patterns(model: nn.Module, dtype: torch.dtype | str | None) -> list[str]:
@@ -146,19 +191,23 @@ def _kept_patterns(model: nn.Module, dtype: torch.dtype | str | None) -> list[st
     return list(dict.fromkeys(patterns))
 
 
-def _warn_unkept(missed: list[str]) -> None:
-    """Tensors transformers keeps in fp32 that no module rule keeps alone."""
-    if not missed:
+def _warn_widened(model: nn.Module, tensors: list[str], holders: list[str]) -> None:
+    """Kept tensors beside submodules: their modules are stored in fp32, submodules included."""
+    if not tensors:
         return
-    owners = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", parent_name(t)) for t in missed} - {""})
-    fix = (f" To keep them in fp32, annotate their modules fp32, submodules included, e.g. "
-           f"annotate(model, {{{owners[0]!r}: 'fp32'}}).") if owners else ""
+    named = dict(model.named_modules())
+    outer = [h for h in holders if not _under(parent_name(h), holders) or h == ""]
+    widened = sum(p.numel() for h in outer for p in named[h].parameters()
+                  if p.is_floating_point())
+    shapes = sorted({re.sub(r"\.\d+(?=\.|$)", ".*", h) for h in outer})
     warnings.warn(
-        f"rules: transformers keeps {len(missed)} tensor(s) of this model in fp32 that no "
-        f"module rule can keep alone, because their modules have submodules with tensors of "
-        f"their own: {', '.join(repr(t) for t in missed[:6])}"
-        f"{', ...' if len(missed) > 6 else ''}. They follow their module's storage "
-        f"dtype.{fix}", UserWarning, stacklevel=3)
+        f"rules: transformers keeps {len(tensors)} tensor(s) of this model in fp32 on modules "
+        f"whose submodules hold tensors of their own: {', '.join(repr(t) for t in tensors)}. "
+        f"A plan keeps whole modules, so {len(outer)} module(s) ({', '.join(shapes[:4])}"
+        f"{', ...' if len(shapes) > 4 else ''}) are stored in fp32 with their submodules "
+        f"({widened:,} parameters, wider than transformers stores them) and compute as the "
+        "rest of the model. Pass the dtype the model will run in, rules(model, dtype='bf16'), "
+        "to keep their submodules in it.", UserWarning, stacklevel=3)
 
 
 #: what `rules` gives a kept module: fp32, handing its output back in fp32, as transformers
@@ -423,7 +472,8 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
     if plan is None and saved.is_file():
         plan = PrecisionPlan.from_json(saved.read_text())
     if plan is None:
-        annotate(model, rules(model), strict=False)
+        annotate(model, rules(model, _low_dtype(kwargs.get("dtype", kwargs.get("torch_dtype")))),
+                 strict=False)
         plan = resolve(model)
     loaded = {n: t.dtype for n, t in _named_tensors(model)}
     apply(model, plan)
@@ -431,6 +481,11 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
     if restore:
         _read_back(model, Path(directory), restore)
     return model
+
+
+def _low_dtype(dtype: object) -> torch.dtype | None:
+    """The 16-bit dtype `from_pretrained` was asked to load in, else None."""
+    return dtype if isinstance(dtype, torch.dtype) and dtype in (fp16, bf16) else None
 
 
 def _named_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -498,6 +553,7 @@ def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
     tensors = {n: _tensor(model, n) for n in names}
     by_file, missed = _files_of(directory, keys)
     restored: set[int] = set()
+    saved: list[tuple[str, torch.dtype]] = []
     for file, found in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             present = set(f.keys())
@@ -506,9 +562,13 @@ def _read_back(model: nn.Module, directory: Path, names: list[str]) -> None:
                 if tensor is None or key not in present:
                     missed.append(name)
                     continue
+                value = f.get_tensor(key)
+                saved.append((name, value.dtype))
                 with torch.no_grad():
-                    tensor.copy_(f.get_tensor(key).to(tensor.dtype))
+                    tensor.copy_(value.to(tensor.dtype))
                 restored.add(id(tensor))
+    warn_narrowed("from_pretrained", narrowed(
+        {n: t.dtype for n, t in tensors.items() if t is not None}, saved), stacklevel=3)
     lost = [n for n in missed if tensors[n] is not None and id(tensors[n]) not in restored]
     if lost:  # a tied tensor restored through its twin is not lost
         warnings.warn(

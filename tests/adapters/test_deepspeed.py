@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_annot import Policy, annotate, bf16, fp16, fp32, precision, resolve
+from precision_annot import Policy, annotate, bf16, check, fp16, fp32, precision, resolve
 from precision_annot.adapters import deepspeed as dsa
 from tests.helpers import deepspeed_op_built, launch
 from tests.workers.models import ScaledLinear, linear_elements, norm_elements
@@ -224,8 +224,6 @@ def check_training(result: dict[str, Any]) -> None:
 
 def codes_of(model_or_plan: Any, base: Any = BASE) -> dict[str, Any]:
     """`check(..., "deepspeed", base)` by code; it warns nothing (the warnings are findings)."""
-    from precision_annot import check
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         found = check(model_or_plan, "deepspeed", base)
@@ -241,10 +239,27 @@ def test_check_says_what_to_config_refuses_in_its_words() -> None:
     assert found["deepspeed-config"].severity == "error"
     assert found["deepspeed-config"].message.startswith(str(refused.value))
     assert "mat1 and mat2 must have the same dtype" in found["deepspeed-config"].message
+    assert ".." not in found["deepspeed-config"].message  # 0.4 doubled the period
     with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3"):
         codes_of(plan, {"zero_optimization": {"stage": "two"}})  # bad input, not a finding
     assert codes_of(plan, dsa.to_config(plan, BASE)) == {}
     assert codes_of(plan, None) == {}  # no config: what to_config(plan) exports
+
+
+def test_a_deepspeed_config_s_optimizer_section_is_deepspeed_s(tmp_path: Path) -> None:
+    """0.4 read a config dict's "optimizer" as the loop's optimizer and raised TypeError ("config
+    'optimizer' is the optimizer you will step"), while the same config as a file was accepted:
+    a DeepSpeed config's keys mean what DeepSpeed says, dict or file."""
+    config = {**BASE, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    assert DeepSpeedConfig(config).optimizer_name == "adamw"  # DeepSpeed's own section
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    plan = resolve(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), default="bf16")
+    found = check(plan, "deepspeed", config)
+    assert found == check(plan, "deepspeed", str(path))
+    assert not [f for f in found if f.severity == "error"]
 
 
 def test_check_evaluates_the_config_as_deepspeed_gets_it() -> None:
@@ -335,7 +350,9 @@ def test_check_a_static_fp16_loss_scale_as_on_a_gpu_machine(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """DeepSpeed's fp16 section refuses this CPU (the finding below); where fp16 runs, a
     static loss scale is what is left to say. Mocked: only the device's answer."""
-    monkeypatch.setattr(dsa, "_fp16_supported", lambda: True)
+    from precision_annot.adapters.deepspeed import checks
+
+    monkeypatch.setattr(checks, "_fp16_supported", lambda: True)
     plan = resolve(nn.Sequential(nn.Linear(4, 4)), default="fp16")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -418,6 +435,32 @@ def test_the_update_half_runs_on_two_zero_2_ranks_as_exported(tmp_path: Path) ->
         assert (wide["master_bytes"], wide["state_bytes"]) == (half * 4, 2 * half * 4)
         for r in (low, wide):
             assert r["weights"] == ["bf16"] and r["losses"][-1] < r["losses"][0]
+        # each plan checked against the other's config: what check says the masters become is
+        # what DeepSpeed kept (the preset "bf16-master" is fp32 masters; DeepSpeed's
+        # bf16_master_weights_and_grads: true is bf16 masters)
+        fp32_masters = resolve(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)),
+                               default="bf16-master")
+        bf16_masters = resolve(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4)),
+                               default="bf16-true,master=bf16,optim=bf16")
+        hand = json.loads((tmp_path / f"update-hand-bf16-masters-rank{rank}.json").read_text())
+        assert (hand["refused"], hand["masters"], hand["state"]) == (None, ["bf16"], ["bf16"])
+        (narrowed,) = [f for f in check(fp32_masters, "deepspeed", {**BASE, **hand["config"]})
+                       if f.code == "deepspeed-masters"]
+        assert narrowed.severity == "error" and "keeps bf16 master weights" in narrowed.message
+        assert '"bf16-master" (master=fp32) keeps fp32 master weights' in narrowed.message
+        (widened,) = [f for f in check(bf16_masters, "deepspeed", {**BASE, **wide["config"]})
+                      if f.code == "deepspeed-masters"]
+        assert widened.severity == "warning" and wide["masters"] == ["fp32"]
+        assert f"{low['params'] * 2:,} more bytes of masters" in widened.message
+        alone = json.loads(
+            (tmp_path / f"update-hand-bf16-masters-alone-rank{rank}.json").read_text())
+        said = "Master weights feature requires ZeRO-2 Offload with DeepSpeedCPUAdam"
+        assert said in alone["refused"]
+        (refused,) = [f for f in check(fp32_masters, "deepspeed", alone["config"])
+                      if f.severity == "error"]
+        assert refused.code == "deepspeed-masters"
+        assert refused.message.startswith("DeepSpeed refuses to start with")
+        assert said in refused.message
 
 
 def test_check_says_what_deepspeed_cannot_do_with_the_update_half() -> None:

@@ -161,7 +161,19 @@ def test_accelerate_keeps_an_fp32_island_only_with_the_plan_applied(
     with pytest.raises(ValueError, match=r"computes '1' and '3' in another dtype than "
                                          r"Accelerate's bf16 autocast.*precision_annot\.apply"):
         fp8.ao_recipe_kwargs(build())
+    # check says the refusal before launch (0.4 said only info fp8-small-gemm), for the plan and
+    # for the model, and only when Accelerate converts the fp8 layers
+    plan = pa.resolve(build(), default="bf16-mixed")
+    with pytest.raises(ValueError, match="computes '1' and '3'"):
+        fp8.ao_recipe_kwargs(plan)
+    for given in (plan, build()):
+        errors = [f for f in pa.check(given, "ddp", {"fp8": "accelerate"})
+                  if f.severity == "error"]
+        assert [(f.code, f.modules) for f in errors] == [("fp8-accelerate-refused", ("1", "3"))]
+        assert "pa.apply" not in errors[0].fix and "precision_annot.apply(" in errors[0].fix
+    assert not [f for f in pa.check(plan, "ddp") if f.severity == "error"]  # apply converts
     model = pa.apply(build(), default="bf16-mixed")
+    assert not [f for f in pa.check(model, "ddp", {"fp8": "accelerate"}) if f.severity == "error"]
     accelerator = accelerator_state.Accelerator(mixed_precision="fp8", cpu=True,
                                                 kwargs_handlers=[fp8.ao_recipe_kwargs(model)])
     prepared = accelerator.prepare(model)

@@ -3,6 +3,7 @@ gloo), and real training on 2 gloo ranks."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.tables import human_bytes
 from precision_annot.adapters import fsdp
 from tests.adapters.distributed import check_training, run_ranks
-from tests.helpers import Recorder
+from tests.helpers import Recorder, launch
 from tests.workers.dist import MERGE_BELOW
 from tests.workers.models import POLICY, Net
 
@@ -295,3 +296,33 @@ def test_a_model_sharded_with_its_own_policy_is_checked_as_sharded(group: None) 
     with pytest.raises(RuntimeError, match=r"Module 'norm'.*FSDP2 gathers the parameters of "
                                            r"each unit in its MixedPrecisionPolicy's param_dtype"):
         sharded(torch.randn(2, 16))
+
+
+def test_two_ranks_load_a_bf16_checkpoint_into_the_sharded_fp32_router_and_resume_exactly(
+        tmp_path: Path) -> None:
+    """FSDP2 on 2 gloo ranks, a bf16 model whose router is an fp32 island, sharded along its
+    plan. A bf16 checkpoint (the router saved in bf16) loaded through DCP, into the sharded
+    state dict or whole with set_model_state_dict(full_state_dict=True): the router's shards
+    stay fp32, holding the saved values, and the load names the router's tensors (0.4: silent);
+    check names the same two before the load. Model and optimizer saved after 2 steps and
+    loaded into a fresh sharded model: the next 2 steps equal the uninterrupted run's."""
+    launch("tests.workers.checkpoints", str(tmp_path), ranks=2, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    reference = ranks[0]["reference"]
+    planned = {"up.weight": "bf16", "up.bias": "bf16", "router.weight": "fp32",
+               "router.bias": "fp32", "down.weight": "bf16", "down.bias": "bf16"}
+    for mode in ("sharded", "full"):
+        for name, dtype in planned.items():
+            assert {r[mode]["params"][name]["dtype"] for r in ranks} == {dtype}, (mode, name)
+            whole = [row for r in ranks for row in r[mode]["params"][name]["values"]]
+            assert whole == reference[name], (mode, name)  # shards along dim 0, in rank order
+    said = [w for r in ranks for mode in ("sharded", "full") for w in r[mode]["warnings"]]
+    assert said and all("'model.router.weight', 'model.router.bias'" in w
+                        or "'router.weight', 'router.bias'" in w for w in said)
+    assert ranks[0]["sharded"]["warnings"] and not ranks[1]["sharded"]["warnings"]  # once
+    assert ranks[0]["check"] == [["error", "checkpoint-narrowed", "router"]] * 2
+    for r in ranks:
+        resumed, uninterrupted = r["resume"]["resumed"], r["resume"]["uninterrupted"]
+        assert resumed == uninterrupted
+        assert {n: p["dtype"] for n, p in resumed.items()} == planned
+        assert r["resume"]["moments"] == planned  # torch's AdamW: moments in each shard's dtype

@@ -25,6 +25,7 @@ from precision_annot import (
     optimizer,
     remove,
     resolve,
+    watch,
 )
 from precision_annot._src.plan import parent_name
 from precision_annot._src.runtime import installed_boundaries
@@ -258,20 +259,66 @@ def test_entries_for_parts_a_configuration_does_not_build_give_no_rule() -> None
     annotate(model, hf.rules(model))  # strict: would raise on a rule that matches nothing
 
 
-def test_kept_tensors_beside_submodules_are_named_in_a_warning(tmp_path: Path) -> None:
+def test_kept_tensors_beside_submodules_keep_their_module_and_its_layers_as_loaded(
+        tmp_path: Path) -> None:
     """RWKV keeps `time_decay` and `time_first` in fp32 for fp16; they sit on the attention
-    module beside its key, value and receptance layers, which a module plan cannot split."""
+    module beside its key, value and receptance layers. 0.4 left them in fp16 (with a warning);
+    the attention module is now stored in fp32 and its layers as transformers stores them."""
     model = rwkv()
-    with pytest.warns(UserWarning, match=r"4 tensor\(s\).*'rwkv\.blocks\.0\.attention\."
-                      r"time_decay'.*annotate\(model, \{'rwkv\.blocks\.\*\.attention': "
-                      r"'fp32'\}\)"):
-        assert hf.rules(model, dtype="fp16") == []
     native = natively_fp32(model, fp16, tmp_path)
     assert {n.rpartition(".")[2] for n in native} == {"time_decay", "time_first"}
-    annotate(model, {"rwkv.blocks.*.attention": "fp32"})  # the warning's fix
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the dtype is given: nothing is widened to say
+        selected = hf.rules(model, dtype="fp16")
+    annotate(model, selected)
     apply(model, default="fp16")
-    assert native <= fp32_tensors(model)
+    ours = fp32_tensors(model)
+    assert native <= ours
+    holders = {parent_name(t) for t in native}
+    assert {parent_name(t) for t in ours - native} <= holders  # the holders' own tensors only
+    assert model.rwkv.blocks[0].attention.key.weight.dtype == fp16
     assert model.rwkv.blocks[0].feed_forward.key.weight.dtype == fp16
+    with pytest.warns(UserWarning, match=r"4 tensor\(s\).*'rwkv\.blocks\.0\.attention\."
+                      r"time_decay'.*2 module\(s\) \(rwkv\.blocks\.\*\.attention\) are stored in "
+                      r"fp32 with their submodules.*rules\(model, dtype='bf16'\)"):
+        hf.rules(rwkv())  # the dtype not given: the layers are widened too, and said
+
+
+def hy_v3() -> nn.Module:
+    """Two layers, the second a mixture whose block holds the router's
+    `e_score_correction_bias` beside its experts (in the class's strict list)."""
+    cfg = transformers.HYV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        max_position_embeddings=64)
+    return transformers.HYV3ForCausalLM(cfg)
+
+
+def test_a_strict_router_bias_beside_experts_survives_save_and_load(tmp_path: Path) -> None:
+    """HY-V3 keeps its routers' `e_score_correction_bias` in fp32 (strict: bf16 too); it sits
+    on the mixture block beside the experts. Through the plan it stays fp32, the experts stay
+    bf16, and save_pretrained / from_pretrained bring the bias back bit for bit."""
+    torch.manual_seed(0)
+    model = hy_v3()
+    block = model.model.layers[1].mlp
+    with torch.no_grad():
+        block.e_score_correction_bias.uniform_(-1e-3, 1e-3)  # values bf16 cannot hold
+    native = natively_fp32(model, bf16, tmp_path / "native")
+    assert "model.layers.1.mlp.e_score_correction_bias" in native
+    annotate(model, hf.rules(model, dtype="bf16"))
+    plan = resolve(model, default="bf16")
+    apply(model, plan)
+    assert native <= fp32_tensors(model)
+    assert block.experts.gate_up_proj.dtype == bf16  # not widened with the block
+    assert block.shared_experts.up_proj.weight.dtype == bf16
+    hf.save_pretrained(model, tmp_path / "planned")
+    back = hf.from_pretrained(type(model), tmp_path / "planned", dtype=bf16)
+    loaded = back.model.layers[1].mlp
+    assert torch.equal(loaded.e_score_correction_bias, block.e_score_correction_bias)
+    assert loaded.experts.gate_up_proj.dtype == bf16
+    ids = torch.randint(0, VOCAB, (2, 8))
+    back(input_ids=ids, labels=ids).loss.backward()  # it runs as planned
 
 
 def test_units_are_the_no_split_blocks() -> None:
@@ -505,6 +552,27 @@ def test_a_tensor_that_cannot_be_read_back_is_named(tmp_path: Path) -> None:
         hf.from_pretrained(type(model), tmp_path, dtype=torch.bfloat16)
 
 
+def test_from_pretrained_of_a_bf16_checkpoint_names_the_islands_it_rounded(
+        tmp_path: Path) -> None:
+    """A checkpoint written all in bf16 (model.save_pretrained of a bf16 model, as most hub
+    checkpoints are) holds the fp32 islands rounded: from_pretrained keeps them fp32 and now
+    says which lost their low bits before the load (0.4 widened them silently)."""
+    model, _ = annotated("llama")
+    randomize_norms(model)
+    plan = resolve(model, default="bf16")
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    norms = [n for n, p in model.named_parameters() if "norm" in n]
+    with pytest.warns(UserWarning, match=rf"from_pretrained: the checkpoint holds {len(norms)} "
+                                         r"tensor\(s\) narrower than the plan keeps them") as said:
+        loaded = hf.from_pretrained(type(model), tmp_path, plan=plan, dtype=torch.bfloat16)
+    (message,) = [str(w.message) for w in said if "narrower" in str(w.message)]
+    assert all(repr(n) in message for n in norms)
+    for name in norms:  # kept fp32: the saved bf16 values, widened
+        assert loaded.get_parameter(name).dtype == fp32
+        assert torch.equal(loaded.get_parameter(name), model.get_parameter(name).float())
+    assert loaded.model.layers[0].mlp.up_proj.weight.dtype == bf16
+
+
 def test_trainer_bf16_full_eval_moving_the_model_is_said(tmp_path: Path) -> None:
     """0.2: evaluate() ran model.to(bf16) and training went on in bf16, without a word."""
     model, _ = annotated("llama")
@@ -650,3 +718,75 @@ def test_watch_callback_puts_the_numbers_in_the_trainers_tensorboard_logs(tmp_pa
     assert [step for step, _ in logged] == [1, 3, 5]
     for (_, value), rec in zip(logged, w.history, strict=True):
         assert value == pytest.approx(rec.outputs["model.layers.0.mlp"].amax, rel=1e-6)
+
+
+@pytest.mark.slow  # 4 s; tests/test_watching.py shows the same on a plain loop in make test
+def test_watch_callback_samples_the_training_steps_of_a_trainer_that_evaluates_every_step(
+        tmp_path: Path) -> None:
+    """The Trainer evaluates (a no_grad forward) after every step, between the watched ones:
+    0.4 recorded the evaluation and its sampled steps held 0 of 19 gradient rows. Each record
+    now holds the training step's: a gradient row for every module whose output got one in a
+    step watched by hand."""
+    model, _ = annotated("llama")
+    apply(model, default="bf16")
+    rows = Tokens()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+        per_device_eval_batch_size=2, use_cpu=True, report_to=[], eval_strategy="steps",
+        eval_steps=1, save_strategy="no", disable_tqdm=True, learning_rate=1e-2)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows,
+                                   eval_dataset=[rows[i] for i in range(2)])
+    callback = hf.watch_callback(trainer, every=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert len([log for log in trainer.state.log_history if "eval_loss" in log]) == 3
+    records = callback.watch.history
+    assert [r.step for r in records] == [0, 1, 2]
+    # the same step by hand, watched: which modules' outputs get gradients
+    alone, _ = annotated("llama")
+    apply(alone, default="bf16")
+    ids = torch.stack([rows[i]["input_ids"] for i in (0, 1)])
+    with watch(alone, every=1, warn=False) as w:
+        alone(input_ids=ids, labels=ids).loss.backward()
+        mine = w.step()
+    assert mine is not None and len(mine.grads) >= 19
+    for record in records:
+        assert set(record.grads) == set(mine.grads)
+        assert set(record.outputs) == set(mine.outputs)
+
+
+@pytest.mark.parametrize("reentrant", [
+    pytest.param(True, marks=pytest.mark.slow),  # 5 s; tests/test_watching.py has it fast
+    False])
+def test_watch_under_gradient_checkpointing_has_the_rows_of_a_plain_step(reentrant: bool) -> None:
+    """Transformers' gradient checkpointing runs each layer again in backward (reentrant: its
+    first run under no_grad). The rerun is not a second call, and the modules inside get their
+    gradient rows; a layer output no gradient reaches (T5's position bias) gets none, where
+    watch raised on it."""
+    kind = "t5" if reentrant else "llama"  # (T5 with its fp32 islands fails torch's own
+    # non-reentrant recompute check under a low-precision plan, watched or not)
+    rows = {}
+    for checkpointed in (False, True):
+        model, low = annotated(kind)
+        model.train()
+        if checkpointed:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        apply(model, default=low)
+        batch = inputs(kind)
+        labels = batch.get("decoder_input_ids", batch["input_ids"]).contiguous()
+        with watch(model, every=1, warn=False) as w, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(**batch, labels=labels).loss.backward()
+            record = w.step()
+        assert record is not None
+        rows[checkpointed] = record
+    plain, checkpointed_record = rows[False], rows[True]
+    assert set(checkpointed_record.grads) == set(plain.grads)
+    assert set(checkpointed_record.outputs) == set(plain.outputs)
+    same = [n for n, s in plain.outputs.items() if checkpointed_record.outputs[n].tensors == 1
+            and s.tensors == 1]
+    assert len(same) > len(plain.outputs) / 2
+    for name in same:  # the same values, measured once
+        assert checkpointed_record.outputs[name].amax == plain.outputs[name].amax, name

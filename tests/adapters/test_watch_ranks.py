@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from precision_annot._src.watching import report
 from tests.helpers import launch
 
 
@@ -44,3 +45,9 @@ def test_watch_reduces_each_step_across_ranks(mode: str, tmp_path: Path) -> None
     assert len(r0["said"]) == 1 and "step 1: module 'fc1', the first to hold non-finite" in (
         r0["said"][0])
     assert r1["said"] == []  # said once, on rank 0
+    # one file both ranks append to: each rank's own records, the reduced one once (rank 0's);
+    # watch-report counts 2 sampled steps (0.4: 6, its reduced records written by each rank)
+    shared = tmp_path / f"{mode}-shared.jsonl"
+    lines = [json.loads(line) for line in shared.read_text().splitlines()]
+    assert sorted(str(r["rank"]) for r in lines) == ["0", "0", "1", "1", "all", "all"]
+    assert report(shared).startswith(f"2 sampled steps in {shared}")

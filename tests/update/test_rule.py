@@ -16,7 +16,7 @@ import precision_annot as pa
 from precision_annot import bf16, fp16, fp32
 from precision_annot._src.update.optimizer import state_bytes
 from precision_annot._src.update.rule import UpdateRule, update_rule
-from precision_annot.adapters import deepspeed as ds
+from precision_annot.adapters.deepspeed import export as ds
 from tests.helpers import accumulate_as_planned
 
 pytest.importorskip("torchao")

@@ -116,25 +116,38 @@ def run_stage(mode: str, stage: int, rank: int) -> dict[str, Any]:
 
 #: the update layouts a bf16 model is run with under ZeRO-2 in "update" mode
 UPDATES = {"bf16-state": "bf16-true,master=bf16,optim=bf16", "fp32-masters": "bf16-master"}
+#: configs written by hand for the "bf16-master" plan (fp32 masters), as a user reading
+#: DeepSpeed's key names would write them: run as they are, to see what DeepSpeed keeps
+HAND_WRITTEN = {
+    "hand-bf16-masters": {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
+                                   "bf16_optimizer_states": True}},
+    "hand-bf16-masters-alone": {"bf16": {"enabled": True,
+                                         "bf16_master_weights_and_grads": True}},
+}
+UPDATE_BASE = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+               "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+               "steps_per_print": 10_000}
 
 
 def run_update(layout: str, rank: int) -> dict[str, Any]:
     """A uniform bf16 model (DeepSpeed's bf16 section) with the plan's update half exported by
-    to_config, under ZeRO-2: what DeepSpeed really keeps on this rank."""
+    to_config (or a config written by hand, `HAND_WRITTEN`), under ZeRO-2: what DeepSpeed
+    really keeps on this rank, or how it refuses to start."""
     import deepspeed
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
-    plan = resolve(net, default=UPDATES[layout])
-    base = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10_000}
+    plan = resolve(net, default=UPDATES.get(layout, "bf16-master"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = ds_adapter.to_config(plan, base)
+        config = ({**UPDATE_BASE, **HAND_WRITTEN[layout]} if layout in HAND_WRITTEN
+                  else ds_adapter.to_config(plan, UPDATE_BASE))
         ds_adapter.prepare(net, plan)
-    engine, *_ = deepspeed.initialize(
-        model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3), config=config)
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3), config=config)
+    except Exception as e:  # what DeepSpeed refuses, said as it says it
+        return {"config": config, "refused": f"{type(e).__name__}: {e}"}
     gen = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
     losses = []
@@ -149,6 +162,7 @@ def run_update(layout: str, rank: int) -> dict[str, Any]:
              if isinstance(v, torch.Tensor) and v.numel() > 1]
     out = {
         "config": {k: v for k, v in config.items() if k in ("bf16", "data_types")},
+        "refused": None,
         "losses": losses,
         "weights": sorted({dtype_name(p.dtype) for p in net.parameters()}),
         "masters": sorted({dtype_name(m.dtype) for m in masters}),
@@ -173,7 +187,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     if mode == "update":
-        for layout in UPDATES:
+        for layout in [*UPDATES, *HAND_WRITTEN]:
             (outdir / f"update-{layout}-rank{rank}.json").write_text(
                 json.dumps(run_update(layout, rank)))
         leave()

@@ -5,7 +5,7 @@ A bf16 model (its norm an fp32 island) trains 2 steps, watched on every step. Th
 different batches: rank 1's are 50 times larger; on step 0 only rank 1 runs the `extra`
 module (as an expert only some ranks route tokens to); on step 1 rank 1's batch holds an inf.
 Each rank writes OUTDIR/MODE-rank{N}.json: its own records, the records reduced across ranks,
-and what `watch` said.
+and what `watch` said; both ranks append their records to one file, OUTDIR/MODE-shared.jsonl.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(10 + rank)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        with pa.watch(runner, every=1) as w:
+        shared = path.with_name(path.name.replace(f"-rank{rank}.json", "-shared.jsonl"))
+        with pa.watch(runner, every=1, path=shared) as w:
             for step in range(2):
                 x = torch.randn(16, 32, generator=gen) * (50.0 if rank == 1 else 1.0)
                 if step == 1 and rank == 1:

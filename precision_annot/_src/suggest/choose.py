@@ -3,7 +3,7 @@ search again on a held-out batch that fails."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NamedTuple
 
 import torch
@@ -11,18 +11,21 @@ from torch import nn
 
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.suggest.compare import finite_peak
-from precision_annot._src.suggest.constants import MAX_CHECKS, OUTSIDE
+from precision_annot._src.suggest.constants import KERNELS, MAX_CHECKS, OUTSIDE
 from precision_annot._src.suggest.plans import Islands, covering
 from precision_annot._src.suggest.progress import Progress
 from precision_annot._src.suggest.records import LossFn, Reference, Sample
-from precision_annot._src.suggest.reference import run_reference
 from precision_annot._src.suggest.report import Check, Sensitivity
 from precision_annot._src.suggest.search import Search, held_to, worst_error
 
 _HANDED = "its output overflowed on the way out: it hands back fp32"
-#: on the calibration batch, between the margin and the tolerance, an island is added only
-#: when it brings the worst error (against the limit) down by at least this share
-WORTH = 0.2
+_ROOM = ("its output, in the low dtype, came within the margin of that dtype's largest value: "
+         "it hands back fp32")
+#: islands chosen by error must together halve the worst error within FUTILE tries: a plan's
+#: error is not a property of the plan alone (the same plan measured with another CPU's
+#: kernels moves by up to 40%, KERNELS), and islands that do less may only be trading one
+#: kernel set's rounding for another's
+WORTH = 0.5
 
 
 def _runs_above(structure: PrecisionPlan, name: str) -> str:
@@ -63,9 +66,18 @@ _NO_ROOT = ("No plan short of the whole model in fp32 meets the tolerance: a non
 _NO_LOSS = ("No plan short of the whole model in fp32 meets the tolerance: a non-finite value "
             "first appears outside the model, in loss_fn: compute the loss in fp32 "
             "(output.float()).")
+_NO_ROOM = ("No plan short of the whole model in fp32 meets the tolerance: the model's own "
+            "output, in the low dtype, comes within the margin of that dtype's largest value on "
+            "the calibration batch, and the root cannot be an island. Return the output in "
+            "fp32 (compute it in an fp32 module), or scale it down.")
 _NO_CALLER = ("No plan short of the whole model in fp32 meets the tolerance: the output of the "
               "fp32 island does not fit the low dtype when it is handed back to its caller, "
               "the root, which cannot be an island.")
+
+
+#: islands chosen by error in a row must together bring the worst error down by WORTH: where
+#: this many do not, more of the same will not either, and the search stops there
+FUTILE = 3
 
 
 def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[], list[
@@ -80,41 +92,103 @@ def choose(search: Search, sample: Sample, start: Islands, measure: Callable[[],
     why: dict[str, str] = {}
     candidates = sum(1 for e in search.structure.values() if not e.container)
     last = search.check(islands, sample, limit=limit)
+    weigh = _Weigh()
     while not last.passed and len(search.memo) < MAX_CHECKS:
         progress.update(f"checks on the {sample.label} batch", len(search.memo),
                         min(MAX_CHECKS, candidates + 1))
-        move = _next_island(search, sample, islands, last, why, measure, low_max, limit)
+        if _near(search, last, limit):
+            # it misses the margin by less than another CPU's kernels move an error: whether
+            # it passes is up to the CPU, so it settles here, as it would where it passes
+            search.settled_near = True
+            last, limit = _settle(search, last)
+            break
+        move = _next_island(search, sample, islands, last, why, measure, low_max, limit,
+                            weigh.broke)
         if isinstance(move, str):
             return islands, move, why
-        trial = {i: o for i, o in islands.items() if covering(i, {move.target: False}) is None}
-        trial[move.target] = move.out32 or (not move.exact and islands.get(move.target, False))
+        trial = _with(islands, move)
         # a candidate chosen by its error may not be kept: where it fails, it is watched (to
         # say where) only once it is
         before, last = last, search.check(trial, sample, limit=limit, find=not move.by_error)
-        if move.by_error and not _worth(search, before, last, limit):
-            # the margin is a target, not a cliff: between it and the tolerance, an island
-            # that does not bring the error down by a fifth is not worth its parameters
-            search.settled = worst_error(before) / search.tolerance
-            limit = search.tolerance
-            last = held_to(before, limit)
+        if weigh(move, before, last, within=_within(search, before, limit)):
+            last = search.check(trial, sample, limit=limit)  # seen before, or watched
+            islands = trial
+            why[move.target] = move.reason
+        else:  # the next candidate instead
+            last = before
+        if weigh.exhausted and not last.passed:
+            if not _within(search, last, limit):
+                return islands, weigh.futile(sample, last), why
+            # the margin is a target, not a cliff: within the tolerance, the plan settles
+            last, limit = _settle(search, last)
             break
-        last = search.check(trial, sample, limit=limit)  # a run of it seen before, or watched
-        islands = trial
-        why[move.target] = move.reason
     if not last.passed:
-        return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks; the "
-                         "islands shown are the best plan tried."), why
+        return islands, (f"No plan met the tolerance within {MAX_CHECKS} end-to-end checks."
+                         ), why
     if not prune:  # islands the batches seen before need stay
         return islands, "", why
     return _prune(search, sample, islands, limit, progress, fixed), "", why
 
 
+def _settle(search: Search, last: Check) -> tuple[Check, float]:
+    """The plan settles short of the margin: from here it is held to what it reached, with
+    the room kernels need (KERNELS), up to the tolerance, so that pruning and stepping down
+    keep what its islands gained."""
+    search.settled = worst_error(last) / search.tolerance
+    limit = min(search.tolerance, KERNELS * worst_error(last))
+    search.settled_limit = limit
+    return held_to(last, limit), limit
+
+
+def _with(islands: Islands, move: Move) -> Islands:
+    """The islands with `move`'s target, which takes the place of the islands inside it."""
+    trial = {i: o for i, o in islands.items() if covering(i, {move.target: False}) is None}
+    trial[move.target] = move.out32 or (not move.exact and islands.get(move.target, False))
+    return trial
+
+
+class _Weigh:
+    """Whether an island chosen by its error is kept: only where the run stays finite and its
+    worst error comes down by more than another CPU's kernels move an error (KERNELS);
+    else the next candidate is tried instead. The search is `exhausted` once FUTILE islands
+    by error in a row, kept or not, have not halved the worst error (WORTH): more of them
+    will not either; and for a plan already within the tolerance (missing only the margin),
+    at the first island not kept: each try costs a step, for room the plan does not need."""
+
+    def __init__(self) -> None:
+        self.broke: set[str] = set()
+        self.start: float | None = None  # the worst error the current run of tries started at
+        self.tries = 0
+        self.exhausted = False
+
+    def __call__(self, move: Move, before: Check, after: Check, within: bool = False) -> bool:
+        if not move.by_error:
+            self.start, self.tries = None, 0
+            return True
+        if self.start is None:
+            self.start = worst_error(before)
+        self.tries += 1
+        kept = after.finite and after.crashed is None and (
+            KERNELS * worst_error(after) <= worst_error(before))
+        if kept and worst_error(after) <= (1 - WORTH) * self.start:
+            self.start, self.tries = worst_error(after), 0
+        self.exhausted = self.tries >= FUTILE or (within and not kept)
+        if not kept:
+            self.broke.add(move.target)
+        return kept
+
+    def futile(self, sample: Sample, last: Check) -> str:
+        return (f"No plan short of the whole model in fp32 meets the tolerance: {FUTILE} "
+                f"islands chosen by their error in a row did not halve the worst error on the "
+                f"{sample.label} batch (from {self.start:.2e}: {worst_error(last):.2e}).")
+
+
 def _next_island(search: Search, sample: Sample, islands: Islands, last: Check,
                  why: dict[str, str], measure: Callable[[], list[Sensitivity]],
-                 low_max: float, limit: float) -> Move | str:
+                 low_max: float, limit: float, broke: Collection[str] = ()) -> Move | str:
     """The island to add after `last` failed, or why no plan short of fp32 can pass."""
     structure = search.structure
-    handed = [i for i in last.outputs if why.get(i) == _HANDED]
+    handed = [i for i in last.outputs if why.get(i) in (_HANDED, _ROOM)]
     if last.crashed is not None and handed:  # its caller cannot take fp32: move up
         target, out32 = _climb(structure, search.full(sample),
                                _runs_above(structure, handed[-1]) or handed[-1], low_max)
@@ -123,11 +197,13 @@ def _next_island(search: Search, sample: Sample, islands: Islands, last: Check,
     # a run that ended finite failed by its errors: a non-finite value its watch saw on the
     # way (a scaled backward that overflowed and was retried at a lower scale, as a
     # GradScaler skips a step) is not why
+    if last.finite and last.crowded is not None:
+        return _by_room(islands, last.crowded[0])
     culprit = last.first_nonfinite if not last.finite else None
     if culprit == OUTSIDE:
         return _NO_LOSS
     if culprit is None:
-        return _by_error(islands, last, measure(), limit)
+        return _by_error(islands, last, measure(), limit, broke, _fits(sample, low_max))
     return _by_culprit(search, sample, islands, culprit, low_max)
 
 
@@ -144,32 +220,62 @@ def _by_culprit(search: Search, sample: Sample, islands: Islands, culprit: str,
         target, out32 = _climb(structure, search.full(sample), owner or culprit, low_max)
         return Move(target, out32, "an island's fp32 output overflowed its caller") \
             if target else _NO_CALLER
-    return Move(culprit, False, "a non-finite value arose in it") if culprit else _NO_ROOT
+    if not culprit:
+        return _NO_ROOT
+    if not _fits(sample, low_max)(culprit):
+        # its fp32 output does not fit the low dtype with room to spare: handed back in it,
+        # it would overflow on the way out, so it hands back fp32 from the start (a check
+        # saved per such culprit)
+        return Move(culprit, True, _HANDED)
+    return Move(culprit, False, "a non-finite value arose in it")
 
 
-def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: float
+def _by_room(islands: Islands, name: str) -> Move | str:
+    """Where a module's output, held in the low dtype, came within the margin of its largest
+    value (on data it was not chosen on, it may overflow): the module hands back fp32, as an
+    island of its own or the island that holds it."""
+    if not name:
+        return _NO_ROOM
+    owner = covering(name, islands)
+    return Move(owner or name, True, _ROOM, exact=True)
+
+
+def _fits(sample: Sample, low_max: float) -> Callable[[str], bool]:
+    """Whether a module's output, as the plain fp32 run recorded it, fits the low dtype with
+    room to spare, as `_climb` reads it (unrecorded: taken to fit)."""
+    peaks = sample.light.output_peaks if sample.light is not None else {}
+    return lambda name: peaks.get(name, 0.0) < low_max / 2
+
+
+def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: float,
+              broke: Collection[str] = (), fits: Callable[[str], bool] = lambda _: True
               ) -> Move | str:
-    """With finite errors too large: the most sensitive module measured alone that no island
-    holds yet."""
-    target = next((s.name for s in table if s.score > 0 and covering(s.name, islands) is None),
-                  None)
+    """With finite errors too large: the most sensitive module measured alone that neither
+    is in an island nor holds one. A module holding an island was measured alone with the
+    island's own trouble inside it (an overflowing `wo` makes its whole encoder rank first),
+    which the island already answers: taking it would trade the island for its ancestor."""
+    target = next((s.name for s in table if s.score > 0 and covering(s.name, islands) is None
+                   and not any(covering(i, {s.name: False}) for i in islands)
+                   and s.name not in broke), None)
     if target is None:
         return ("No plan short of the whole model in fp32 meets the tolerance: every module "
-                "measured alone is an island already (or could not be run alone). The errors "
-                "reached: " + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
+                "measured alone is an island already, holds one, or could not be run alone. "
+                "The errors reached: "
+                + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
     if target == "":
         return _NO_CALLER
     grads_only = (last.grad_error is not None and last.grad_error > limit
                   and last.output_error <= limit
                   and (last.loss_error is None or last.loss_error <= limit))
-    return Move(target, False, "gradients" if grads_only else "sensitive", by_error=True)
+    # an island whose fp32 output does not fit the low dtype hands it back in fp32
+    return Move(target, not fits(target), "gradients" if grads_only else "sensitive",
+                exact=True, by_error=True)
 
 
-def _worth(search: Search, before: Check, after: Check, limit: float) -> bool:
-    """Whether the island that turned `before` into `after` is worth keeping: it passes, or
-    `before` was more than the margin away, or it brings the worst error down by WORTH."""
-    return after.passed or not _within(search, before, limit) or (
-        worst_error(after) <= (1 - WORTH) * worst_error(before))
+def _near(search: Search, check: Check, limit: float) -> bool:
+    """`check` misses only the margin, and by less than kernels move an error."""
+    return _within(search, check, limit) and check.crowded is None and (
+        worst_error(check) <= KERNELS * limit)
 
 
 def _within(search: Search, check: Check, limit: float) -> bool:
@@ -268,9 +374,7 @@ def verify(search: Search, others: list[Sample], islands: Islands,
         if message:
             break
         bar.update("held-out batches", i, len(others))
-        batch.light = run_reference(reference, batch.args, batch.kwargs, losses, batch,
-                                 watch=False)
-        search.runs["fp32"] += 1
+        search.light(batch)
         if search.check(islands, batch, limit=search.tolerance).passed:
             continue
         islands, message, more = choose(search, batch, islands, measure_on(batch), bar,

@@ -11,6 +11,9 @@ from typing import Any
 import torch
 
 from precision_annot._src.casting import floating_leaves, map_tree
+from precision_annot._src.recording import relative_error
+
+__all__ = ["detached", "finite_peak", "relative_error", "scan"]
 
 
 def detached(obj: Any) -> Any:
@@ -22,34 +25,6 @@ def detached(obj: Any) -> Any:
 def _mutable(obj: Any) -> bool:
     return isinstance(obj, (list, dict)) or (
         dataclasses.is_dataclass(obj) and not isinstance(obj, type))
-
-
-def relative_error(actual: Any, expected: Any) -> float:
-    """||actual - expected|| / ||expected|| over every floating tensor, in float64, where
-    `expected` is finite; inf when `actual` holds a non-finite value `expected` does not hold
-    at the same place (a masked -inf in both is the same result)."""
-    got: list[torch.Tensor] = []
-    want: list[torch.Tensor] = []
-    floating_leaves(actual, got)
-    floating_leaves(expected, want)
-    if len(got) != len(want) or not want:
-        return math.nan
-    diff = norm = 0.0
-    for a, b in zip(got, want, strict=True):
-        a64, b64 = a.detach().double(), b.detach().double()
-        if a64.shape != b64.shape:
-            return math.nan
-        finite = torch.isfinite(b64)
-        if not bool(finite.all()):
-            same = (a64 == b64) | (a64.isnan() & b64.isnan())
-            if not bool(same[~finite].all()):
-                return math.inf
-            a64, b64 = a64[finite], b64[finite]
-        if not bool(torch.isfinite(a64).all()):
-            return math.inf
-        diff += float((a64 - b64).pow(2).sum())
-        norm += float(b64.pow(2).sum())
-    return math.sqrt(diff) / max(math.sqrt(norm), 1e-30)
 
 
 def finite_peak(value: Any) -> float:

@@ -34,7 +34,7 @@ from precision_annot._src.suggest.constants import (
 )
 from precision_annot._src.suggest.low import low_policies, speed_islands, warn_no_fp8_gain
 from precision_annot._src.suggest.measure import measure_modules
-from precision_annot._src.suggest.outcome import notes, outcome, warn_small
+from precision_annot._src.suggest.outcome import Batches, notes, outcome, warn_small
 from precision_annot._src.suggest.progress import Progress
 from precision_annot._src.suggest.records import LossFn, Sample
 from precision_annot._src.suggest.reference import (
@@ -106,8 +106,9 @@ def suggest(
         held_out: batches to verify the plan on. None cuts `sample` along its first dimension:
             the first half calibrates, the second half (in two) is held out; [] holds nothing
             out. (Default: None)
-        margin: the share of the tolerance the calibration batch is held to, so that the plan
-            keeps room on batches it was not chosen on. (Default: 0.5)
+        margin: the share of the tolerance the calibration batch is held to, and the share
+            of the low dtype's largest value its module outputs held in that dtype may reach,
+            so that the plan keeps room on batches it was not chosen on. (Default: 0.5)
         measure: run every module alone in `low` for the table and the chart, even when the
             checks did not need it (about one forward in `low` per level of the module tree).
             (Default: False)
@@ -116,7 +117,9 @@ def suggest(
 
     Returns:
         A `Suggestion`. When nothing smaller than the whole model meets the tolerance, its
-        `met` is False and its message says why; a `UserWarning` says so too.
+        `met` is False and its message says why; a `UserWarning` says so too. Its plan is
+        then the smallest tried that runs finite on every batch (a larger one only where it
+        halves the worst error), with the errors it reaches.
 
     Warns:
         UserWarning: when the sample has fewer than 16 rows (tokens, samples) or too few to
@@ -149,6 +152,7 @@ def suggest(
         calib, others, rows = _calibrate(reference, sample, (args, kwargs), held_out, losses,
                                          tolerance)
         assert calib.light is not None
+        calib.room = float(margin)  # its values held to the margin of the low dtype's range
         search = Search(reference, resolve(reference), policy, island, losses,
                         first_scale(low_dtype, calib.light), tolerance, float(margin),
                         ties_of(reference), sizes_of(reference))
@@ -166,15 +170,11 @@ def suggest(
                                        frozenset(speed))
         islands, message = verify(search, others, islands, message, why, tables.on, bar,
                                   frozenset(speed), losses, reference)
-        islands = search.held_together(islands)
-        held = [search.check(islands, b, limit=tolerance, find=False)
-                for b in others if b.light]
         if measure:
             tables.on(calib)()
-        final = search.check(islands, calib, limit=tolerance * (
-            float(margin) if search.settled is None else 1.0), find=False)
-    # 4. report
-    met, message, islands = outcome(search, islands, message, final, held, speed, why)
+        # 4. report: met or not; when not, the smallest plan that runs finite and comes nearest
+        met, message, islands, final, held = outcome(
+            search, search.held_together(islands), message, Batches(calib, others), speed, why)
     verified = bool(held) and rows >= MIN_ROWS
     loss_scale = search.scale if low_dtype == fp16 else None
     message += notes(met, verified, rows, loss_scale)

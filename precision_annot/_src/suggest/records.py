@@ -27,8 +27,13 @@ class Reference:
     #: for each module whose own code made a value past the low dtype's largest, the modules
     #: whose outputs that value was computed from (watched runs only)
     feeds: dict[str, set[str]] = dataclasses.field(default_factory=dict)
-    #: the largest finite |value| a module's forward returned (plain runs only)
-    output_peak: float = 0.0
+    #: the largest finite |value| each module's forward returned, by module (plain runs only)
+    output_peaks: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def output_peak(self) -> float:
+        """The largest finite |value| any module's forward returned (plain runs only)."""
+        return max(self.output_peaks.values(), default=0.0)
 
 
 @dataclasses.dataclass
@@ -41,5 +46,8 @@ class Sample:
     ref: Reference | None = None  # the full one (inputs, outputs, peaks), when it was needed
     light: Reference | None = None  # outputs, loss, gradients and non-finite counts
     original: Any = None  # the batch as the user gave it (what a two-argument loss_fn gets)
+    #: the share of the low dtype's largest value a module's output held in it may reach: the
+    #: margin on the calibration batch, so that a plan keeps room on data it was not chosen on
+    room: float = 1.0
 
 LossFn = Callable[[Any, Sample], torch.Tensor]

@@ -13,6 +13,7 @@ from torch import nn
 
 from precision_annot._src.casting import floating_leaves
 from precision_annot._src.dtypes import fp16
+from precision_annot._src.recording import Recorder, Returned
 from precision_annot._src.runtime import remove
 from precision_annot._src.suggest.compare import detached, relative_error, scan
 from precision_annot._src.suggest.constants import SEED
@@ -118,27 +119,18 @@ def run_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 def _plain_reference(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      loss_fn: LossFn | None, sample: Sample) -> Reference:
     peak = [0.0]
-    largest = [0.0]  # of a module's output in forward
+    largest: dict[str, float] = {}  # of each module's output in forward
 
-    def on_grad(grad: torch.Tensor) -> None:
+    def on_output(r: Returned, t: torch.Tensor, module: nn.Module, a: tuple[Any, ...]) -> None:
+        largest[r.name] = max(largest.get(r.name, 0.0), scan(t.detach(), peaks=True)[1])
+
+    def on_grad(r: Returned, grad: torch.Tensor) -> None:
         peak[0] = max(peak[0], scan(grad.detach(), peaks=True)[1])
 
-    def hook(_: nn.Module, __: Any, out: Any) -> None:
-        leaves: list[torch.Tensor] = []
-        floating_leaves(out, leaves)
-        for t in leaves:
-            largest[0] = max(largest[0], scan(t.detach(), peaks=True)[1])
-            if t.requires_grad:
-                t.register_hook(on_grad)  # type: ignore[no-untyped-call]
-
-    handles = [m.register_forward_hook(hook) for m in model.modules()]
-    try:
+    with Recorder(dict(model.named_modules()), on_output, on_grad):
         output, loss = _reference_step(model, args, kwargs, loss_fn, sample)
-    finally:
-        for handle in handles:
-            handle.remove()
     return Reference(detached(output), loss, _take_gradients(model), {}, {}, {}, peak[0], {},
-                     output_peak=largest[0])
+                     output_peaks=largest)
 
 
 def _reference_step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -74,6 +74,10 @@ class Check:
         outputs: the islands that hand their output back in fp32.
         crashed: the error the plan's run raised (a caller that cannot take an island's fp32
             output, in a model without autocast), or None.
+        crowded: on the calibration batch, the first module whose output, held in the low
+            dtype, reached past `margin` of that dtype's largest value, and the share it
+            reached; the plan then fails, as data it was not chosen on may overflow. None:
+            every such output kept that room (or the batch is held out).
     """
 
     islands: tuple[str, ...]
@@ -87,6 +91,7 @@ class Check:
     limit: float = math.inf
     fp32_params: int = 0
     crashed: str | None = None
+    crowded: tuple[str, float] | None = None
 
     def errors(self) -> dict[str, float]:
         out = {"output": self.output_error}
@@ -102,8 +107,10 @@ class Check:
 
     @property
     def failed(self) -> list[str]:
-        """The errors above the limit: "output", "loss", "gradients"."""
-        return [k for k, v in self.errors().items() if not (math.isfinite(v) and v <= self.limit)]
+        """The errors above the limit: "output", "loss", "gradients"; and "range" when an
+        output came too near the low dtype's largest value (`crowded`)."""
+        return [k for k, v in self.errors().items() if not (math.isfinite(v) and v <= self.limit)
+                ] + (["range"] if self.crowded is not None else [])
 
     def to_dict(self) -> dict[str, Any]:
         def number(x: float) -> float | str:
@@ -114,7 +121,8 @@ class Check:
                 "errors": {k: number(v) for k, v in self.errors().items()},
                 "failed": self.failed, "passed": self.passed,
                 "first_nonfinite": self.first_nonfinite, "fp32_params": self.fp32_params,
-                "crashed": self.crashed}
+                "crashed": self.crashed, "crowded": None if self.crowded is None else {
+                    "module": self.crowded[0], "share": self.crowded[1]}}
 
 
 class Suggestion:

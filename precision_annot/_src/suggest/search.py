@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from precision_annot._src.casting import floating_leaves
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import Policy
 from precision_annot._src.runtime import apply
-from precision_annot._src.suggest.compare import relative_error
+from precision_annot._src.suggest.compare import relative_error, scan
 from precision_annot._src.suggest.constants import SEED
 from precision_annot._src.suggest.plans import (
     Islands,
@@ -57,6 +58,11 @@ class Search:
         #: the share of the tolerance the calibration batch settled at, when no island
         #: brought it to the margin by enough to be worth its parameters (None: it reached it)
         self.settled: float | None = None
+        #: it settled without seeking an island: it missed the margin by less than kernels
+        #: move an error
+        self.settled_near = False
+        #: the limit the calibration batch is held to once it settled
+        self.settled_limit: float | None = None
 
     def held_together(self, islands: Islands) -> Islands:
         """The islands with every owner of a parameter they share with a module outside: a
@@ -71,6 +77,14 @@ class Search:
                     if covering(owner, out) is None:
                         out[owner] = False
         return out
+
+    def light(self, sample: Sample) -> Reference:
+        """The plain fp32 run of `sample` (output, loss, gradients), run once."""
+        if sample.light is None:
+            sample.light = run_reference(self.reference, sample.args, sample.kwargs,
+                                         self.loss_fn, sample, watch=False)
+            self.runs["fp32"] += 1
+        return sample.light
 
     def full(self, sample: Sample) -> Reference:
         """The watched reference of `sample`, run once, when a check or a choice needs it."""
@@ -145,9 +159,10 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
     mode = Watch(tracker, baseline=search.full(sample).nonfinite if watch else None)
     errors: list[float | None] = [math.inf, None, None]  # output, loss, gradients
     crashed = None
+    room = Room(model, sample, search.policy.compute)
     try:
         with (tracker if watch else contextlib.nullcontext()), (
-                mode if watch else contextlib.nullcontext()):
+                mode if watch else contextlib.nullcontext()), room:
             _compare(search, model, sample, errors)
     except RuntimeError as e:  # the plan itself fails (an fp32 output its caller cannot take)
         crashed = f"{type(e).__name__}: {e}"[:300]
@@ -157,10 +172,53 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
         model.zero_grad(set_to_none=True)  # parameters may be the reference's own
     output_error, loss_error, grad_error = errors
     assert output_error is not None
-    passed = all(math.isfinite(e) and e <= limit for e in errors if e is not None)
     return Check(tuple(islands), tuple(i for i, out in islands.items() if out), output_error,
-                 loss_error, grad_error, mode.first_nonfinite if watch else None, passed,
-                 sample.label, limit, search.fp32_params(islands), crashed)
+                 loss_error, grad_error, mode.first_nonfinite if watch else None,
+                 _passes(errors, limit, room.crowded), sample.label, limit,
+                 search.fp32_params(islands), crashed, room.crowded)
+
+
+def _passes(errors: Any, limit: float, crowded: tuple[str, float] | None) -> bool:
+    """Every error measured finite and within `limit`, and every output kept its room."""
+    return crowded is None and all(math.isfinite(e) and e <= limit for e in errors
+                                   if e is not None)
+
+
+class Room:
+    """Whether the plan's values keep room below the low dtype's largest on `sample`: the
+    first module whose output, held in the low dtype, reaches past `sample.room` of it. Only
+    the modules whose fp32 output came near it are hooked (usually none: nothing to pay)."""
+
+    def __init__(self, model: nn.Module, sample: Sample, low: torch.dtype | None) -> None:
+        assert sample.light is not None
+        self.crowded: tuple[str, float] | None = None
+        self.handles: list[Any] = []
+        self.low = low
+        self.largest = math.inf if low is None else float(torch.finfo(low).max)
+        self.limit = sample.room * self.largest
+        hot = {n for n, peak in sample.light.output_peaks.items()
+               if sample.room < 1 and peak > 0.9 * self.limit}
+        self.modules = [(n, m) for n, m in model.named_modules() if n in hot]
+
+    def __enter__(self) -> Room:
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in self.modules]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, name: str) -> Any:
+        def hook(_: nn.Module, __: Any, out: Any) -> None:
+            if self.crowded is not None:
+                return
+            leaves: list[torch.Tensor] = []
+            floating_leaves(out, leaves)
+            peak = max((scan(t.detach(), peaks=True)[1] for t in leaves if t.dtype == self.low),
+                       default=0.0)
+            if peak > self.limit:
+                self.crowded = (name, peak / self.largest)
+        return hook
 
 
 def _compare(search: Search, model: nn.Module, sample: Sample, errors: list[float | None]
@@ -188,9 +246,8 @@ def _compare(search: Search, model: nn.Module, sample: Sample, errors: list[floa
 
 def held_to(check: Check, limit: float) -> Check:
     """`check`'s run held to another limit."""
-    errors = check.errors().values()
-    return dataclasses.replace(check, limit=limit, passed=all(
-        math.isfinite(e) and e <= limit for e in errors))
+    return dataclasses.replace(check, limit=limit,
+                               passed=_passes(check.errors().values(), limit, check.crowded))
 
 
 def worst_error(check: Check) -> float:
@@ -241,12 +298,6 @@ def _backward(model: nn.Module, loss: torch.Tensor, *, stop: bool) -> bool:
         for handle in handles:
             handle.remove()
     return False
-
-
-def best_check(search: Search, label: str) -> Check | None:
-    """The passing check with the fewest fp32 parameters (then islands) on `label`'s batch."""
-    passed = [c for c in search.path if c.sample == label and c.passed]
-    return min(passed, key=lambda c: (c.fp32_params, len(c.islands)), default=None)
 
 
 def ties_of(model: nn.Module) -> list[set[str]]:

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from torch import nn
+from typing_extensions import override
 
 from precision_annot._src.boundary import autocast_context
 from precision_annot._src.casting import cast_tree
+from precision_annot._src.checkpoints.loading import narrowed, planned_dtypes, warn_narrowed
 from precision_annot._src.dtypes import LOW_PRECISION, fp32
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan
@@ -130,3 +132,15 @@ class PlanPrecision:
 
 class TrainerPlanPrecision(PlanPrecision, TrainerPrecision):
     """The base of the Trainer plugins: the plan half and Lightning's Trainer `Precision`."""
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """When the Trainer restores a checkpoint: warn, naming them, about the tensors it
+        holds narrower than the plan keeps them. (A one-device Trainer loads the weights before
+        `convert_module` applies the plan, where the model's own load hooks cannot see them;
+        `apply` then puts each in its planned dtype.)"""
+        state = checkpoint.get("state_dict")
+        if self.plan is None or not isinstance(state, dict):
+            return
+        warn_narrowed("Lightning's checkpoint restore", narrowed(planned_dtypes(self.plan), (
+            (k, v.dtype) for k, v in state.items() if isinstance(v, torch.Tensor))))

@@ -22,14 +22,16 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 
+from precision_annot._src.check_backend import CheckBackend, Checked
 from precision_annot._src.findings import Finding, drift, drifts
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import PRESETS
+from precision_annot._src.runtime import Subject, applied_plan
 from precision_annot.adapters import ddp, deepspeed, fsdp
 from precision_annot.adapters.lightning.base import PlanPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
 
-__all__ = ["findings", "reduced"]
+__all__ = ["CHECKS", "LightningChecks", "findings", "reduced"]
 
 _OURS = ("AnnotatedPrecision", "AnnotatedFSDPPrecision", "AnnotatedDeepSpeedPrecision",
          "FabricAnnotatedPrecision")
@@ -349,3 +351,27 @@ def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None, *,
     if check is not None:
         out += check(plan, ours, settings, _on_cpu(config.get("accelerator", "auto")))
     return out
+
+
+class LightningChecks(CheckBackend):
+    """`check(..., "lightning", config)`: the config is the keyword arguments `Trainer` (or
+    `Fabric`) will get; the strategy's own backend is asked for the strategy chosen."""
+
+    name = "lightning"
+    keys = None
+
+    def options(self, config: Any) -> Any:
+        if config is not None and not isinstance(config, Mapping):
+            raise TypeError(
+                "check: config for backend='lightning' is a dict of the Trainer's keyword "
+                f"arguments, e.g. {{'strategy': 'ddp', 'accelerator': 'cpu'}}. Received: "
+                f"{config!r}")
+        return config
+
+    def run(self, given: Subject, options: Any) -> Checked:
+        applied = given.model is not None and applied_plan(given.model) is not None
+        return Checked(findings(given.plan, options, applied=applied),
+                       reduced(given.plan, options))
+
+
+CHECKS = LightningChecks()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,52 @@ def test_scaler_state_is_saved_and_restored(tmp_path: Path) -> None:
     L.Trainer(max_steps=6, plugins=[resumed], callbacks=[Probe()], default_root_dir=tmp_path,
               **QUIET).fit(Net(), data(), ckpt_path=ckpt)
     assert seen == [saved_scale]
+
+
+@pytest.mark.slow  # 4 Trainer runs
+def test_resume_keeps_the_plan_and_names_what_a_bf16_checkpoint_lost(tmp_path: Path) -> None:
+    """Lightning's restore (`fit(ckpt_path=...)`): the weights are loaded before the plugin
+    applies the plan, then each tensor is in its planned dtype. A checkpoint of the plan's own
+    run resumes exactly and says nothing; one written by Lightning's own "bf16-true" (the fp32
+    island saved in bf16) resumes as planned and names the island's tensors (0.4: silent)."""
+    def fit(module: Net, ckpt: Path | None, **kwargs: Any) -> dict[str, Any]:
+        at_start: dict[str, Any] = {}
+
+        class Probe(L.Callback):  # type: ignore[misc]
+            def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+                at_start.update({k: v.detach().clone() for k, v in
+                                 pl_module.state_dict().items()})
+
+        trainer = L.Trainer(max_steps=2 if ckpt is None else 3, callbacks=[Probe()],
+                            default_root_dir=tmp_path, **kwargs, **QUIET)
+        trainer.fit(module, data(), ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(tmp_path / "run.ckpt")
+        return at_start
+
+    torch.manual_seed(0)
+    fit(Net(), None, precision="bf16-true")  # Lightning's own: every tensor bf16
+    lightnings = torch.load(tmp_path / "run.ckpt", weights_only=False)["state_dict"]
+    assert {v.dtype for v in lightnings.values()} == {bf16}
+    with pytest.warns(UserWarning, match=r"Lightning's checkpoint restore: the checkpoint holds "
+                                         r"2 tensor\(s\) narrower.*'norm.weight', 'norm.bias'"):
+        start = fit(Net(), tmp_path / "run.ckpt",
+                    plugins=[AnnotatedPrecision(default="bf16-true")])
+    assert {k: v.dtype for k, v in start.items()} == {
+        "fc1.weight": bf16, "fc1.bias": bf16, "norm.weight": fp32, "norm.bias": fp32,
+        "fc2.weight": bf16, "fc2.bias": bf16}
+    assert all(torch.equal(start[k], v.to(start[k].dtype)) for k, v in lightnings.items())
+
+    torch.manual_seed(0)
+    fit(Net(), None, plugins=[AnnotatedPrecision(default="bf16-true")])  # the plan's own run
+    own = torch.load(tmp_path / "run.ckpt", weights_only=False)["state_dict"]
+    assert own["norm.weight"].dtype == fp32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", module="lightning")
+        start = fit(Net(), tmp_path / "run.ckpt",
+                    plugins=[AnnotatedPrecision(default="bf16-true")])
+    assert all(torch.equal(start[k], v) and start[k].dtype == v.dtype for k, v in own.items())
 
 
 def test_trainer_precision_and_plugin_together_raise() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,3 +60,30 @@ def test_watch_callback_logs_each_modules_margin_and_the_scalers_skips(tmp_path:
         float(sum(k <= step for k in skipped)) for step in (0, 2, 4, 6)]
     assert float(logged[2]["precision/scale"]) < float(logged[0]["precision/scale"])
     assert len((tmp_path / "watch.jsonl").read_text().splitlines()) == 4
+
+
+class Validated(Net):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x * 50).float(), y.float()))
+
+
+def test_watch_callback_samples_training_batches_not_the_validation_between_epochs(
+        tmp_path: Path) -> None:
+    """Lightning validates at each epoch's end, under inference_mode: 0.4 recorded that
+    forward in the next sampled step, which then held 0 of its 4 gradient rows."""
+    torch.manual_seed(0)
+    model = Validated()
+    callback = WatchCallback(every=1)
+    trainer = L.Trainer(max_epochs=2, plugins=[AnnotatedPrecision(default="bf16-true")],
+                        callbacks=[callback], enable_checkpointing=False,
+                        num_sanity_val_steps=0, **QUIET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data(), data())
+    w = callback.watch
+    assert w is not None and [r.step for r in w.history] == list(range(8))
+    assert [len(r.grads) for r in w.history] == [4] * 8  # 0.4: [4, 4, 4, 4, 0, 4, 4, 4]
+    for record in w.history:
+        assert set(record.grads) == set(record.outputs) == {"fc1", "norm", "fc2", ""}
+        assert all(s.tensors == 1 for s in record.outputs.values())

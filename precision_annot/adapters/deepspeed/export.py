@@ -1,4 +1,4 @@
-"""DeepSpeed: export the precision sections of a config, and prepare the model before `initialize`.
+"""DeepSpeed export: the precision sections of a config, and the model prepared for `initialize`.
 
 DeepSpeed has two precision mechanisms. The `bf16` / `fp16` sections cast the whole module to
 one dtype, so an fp32 layer inside is lost (DeepSpeed issue 2100; under ZeRO-2/3 a layer forced
@@ -24,7 +24,7 @@ import copy
 import dataclasses
 import importlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, Union, cast
@@ -43,7 +43,6 @@ from precision_annot._src.dtypes import (
     to_dtype,
     widest,
 )
-from precision_annot._src.findings import Finding, drift
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import Policy
@@ -51,8 +50,10 @@ from precision_annot._src.runtime import apply, subject
 from precision_annot._src.update.rule import fields_of, rule_for
 from precision_annot._src.wrappers import unwrap
 
-__all__ = ["DeepSpeedPlan", "findings", "given_config", "prepare", "read_config", "reduced",
-           "refused", "to_config", "translate"]
+__all__ = ["FP16_ZERO_FIX", "PRECISION_SECTIONS", "BaseConfig", "DeepSpeedPlan", "config_dtype",
+           "config_flag", "config_section", "deepspeed_version", "fp16_zero_refusal",
+           "load_base", "mixed_storage_message", "param_entries", "prepare", "safe_classes",
+           "static_loss_scale", "to_config", "translate", "update_half", "zero_stage"]
 
 BaseConfig: TypeAlias = Union[Mapping[str, Any], str, "PathLike[str]", None]
 Case: TypeAlias = Literal["low_storage", "fp32", "autocast"]
@@ -61,7 +62,7 @@ _DS_DTYPES = frozenset({fp32, fp16, bf16})  # what DeepSpeed's precision keys ta
 # Strings DeepSpeed's pydantic config models read as booleans.
 _TRUE = frozenset({"true", "t", "yes", "y", "on", "1"})
 _FALSE = frozenset({"false", "f", "no", "n", "off", "0"})
-_PRECISION_SECTIONS = ("bf16", "fp16", "torch_autocast")
+PRECISION_SECTIONS = ("bf16", "fp16", "torch_autocast")
 
 
 # -- the plan as DeepSpeed can run it -------------------------------------------------------------
@@ -93,7 +94,7 @@ class DeepSpeedPlan:
         return "autocast" if self.low_compute else "fp32"
 
 
-def _param_entries(plan: PrecisionPlan) -> list[str]:
+def param_entries(plan: PrecisionPlan) -> list[str]:
     return [name for name, e in plan.items() if e.params > 0]
 
 
@@ -105,7 +106,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
     if isinstance(model_or_plan, DeepSpeedPlan):
         return model_or_plan
     plan = subject(model_or_plan, "deepspeed").plan
-    storages = {plan[n].policy.storage for n in _param_entries(plan)}
+    storages = {plan[n].policy.storage for n in param_entries(plan)}
     moved: dict[str, Policy] = {}
     extra = 0
     if len(storages - {None}) > 1 and storages & LOW_PRECISION:
@@ -117,10 +118,10 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
         widened = plan.with_policies(moved)
         extra = sum(widened[n].param_bytes - plan[n].param_bytes for n in moved)
         if warn:
-            warnings.warn(_mixed_storage_message(storages, len(moved), extra), UserWarning,
+            warnings.warn(mixed_storage_message(storages, len(moved), extra), UserWarning,
                           stacklevel=3)
         plan = widened
-    names = _param_entries(plan)
+    names = param_entries(plan)
     return DeepSpeedPlan(
         plan=plan,
         moved=tuple(moved),
@@ -132,7 +133,7 @@ def translate(model_or_plan: nn.Module | PrecisionPlan | DeepSpeedPlan, *,
     )
 
 
-def _mixed_storage_message(storages: set[torch.dtype | None], moved: int, extra: int) -> str:
+def mixed_storage_message(storages: set[torch.dtype | None], moved: int, extra: int) -> str:
     kept = sorted({dtype_name(s) for s in storages if s is not None})
     return (f"The plan mixes storage dtypes ({', '.join(kept)}); DeepSpeed's bf16/fp16 modes "
             "cast every parameter to one dtype. Exporting fp32 storage for the "
@@ -160,7 +161,7 @@ def safe_classes(dsp: DeepSpeedPlan, dtype: torch.dtype) -> list[str] | None:
     Read from the plan's class paths, so a plan loaded from JSON gives the same answer."""
     plan = dsp.plan
     by_class: dict[str, set[torch.dtype | None]] = {}
-    for name in _param_entries(plan):
+    for name in param_entries(plan):
         by_class.setdefault(plan[name].type, set()).add(plan[name].policy.grad_comm)
     names = []
     for path, comms in by_class.items():
@@ -173,7 +174,7 @@ def safe_classes(dsp: DeepSpeedPlan, dtype: torch.dtype) -> list[str] | None:
 
 # -- reading the user's base as DeepSpeed reads it ------------------------------------------------
 
-def _load_base(base: BaseConfig) -> dict[str, Any]:
+def load_base(base: BaseConfig) -> dict[str, Any]:
     if base is None:
         return {}
     if isinstance(base, Mapping):
@@ -206,7 +207,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
+def config_section(config: dict[str, Any], key: str) -> dict[str, Any]:
     """A section of the base, `{}` when absent or null; anything else raises, naming it."""
     value = config.get(key)
     if value is None:
@@ -217,9 +218,9 @@ def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
     return value
 
 
-def _flag(config: dict[str, Any], section: str, key: str = "enabled") -> bool | None:
+def config_flag(config: dict[str, Any], section: str, key: str = "enabled") -> bool | None:
     """A boolean of the base as DeepSpeed reads it; None when absent or "auto"."""
-    value = _section(config, section).get(key)
+    value = config_section(config, section).get(key)
     if value is None or value == "auto":
         return None
     if isinstance(value, bool):
@@ -232,7 +233,7 @@ def _flag(config: dict[str, Any], section: str, key: str = "enabled") -> bool | 
                      f"{section}.{key}={value!r}")
 
 
-def _dtype(value: object, key: str) -> torch.dtype | None:
+def config_dtype(value: object, key: str) -> torch.dtype | None:
     """A dtype of the base; None when absent or "auto"."""
     if value is None or value == "auto":
         return None
@@ -249,8 +250,8 @@ def _dtype(value: object, key: str) -> torch.dtype | None:
     return dtype
 
 
-def _stage(config: dict[str, Any]) -> int:
-    value = _section(config, "zero_optimization").get("stage", 0)
+def zero_stage(config: dict[str, Any]) -> int:
+    value = config_section(config, "zero_optimization").get("stage", 0)
     if value is None or value == "auto":
         return 0
     if isinstance(value, str) and value.strip().isdigit():
@@ -282,10 +283,10 @@ def _fill(config: dict[str, Any], section: str, key: str, value: Any) -> None:
 
 def _disable(config: dict[str, Any], section: str, plan_needs: str) -> None:
     """The plan does not use `section`: refuse `enabled: true`, and fill "auto" with false."""
-    if _flag(config, section) is True:
-        raise _contradiction(f"{section}.enabled", _section(config, section)["enabled"],
+    if config_flag(config, section) is True:
+        raise _contradiction(f"{section}.enabled", config_section(config, section)["enabled"],
                              plan_needs)
-    if _section(config, section).get("enabled") == "auto":
+    if config_section(config, section).get("enabled") == "auto":
         _fill(config, section, "enabled", False)
 
 
@@ -298,18 +299,18 @@ def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) ->
     needs = f"{section}.enabled (storage {dtype_name(low)})"
     _disable(config, other, needs)
     _disable(config, "torch_autocast", needs)
-    if _flag(config, section) is False:
-        raise _contradiction(f"{section}.enabled", _section(config, section)["enabled"], True)
+    if config_flag(config, section) is False:
+        raise _contradiction(f"{section}.enabled", config_section(config, section)["enabled"], True)
     _fill(config, section, "enabled", True)
     if low == fp16:
-        static = _static_loss_scale(config, dsp)
+        static = static_loss_scale(config, dsp)
         if static is not None:
             warnings.warn(
                 f"base sets fp16.loss_scale={static} (static); the plan uses fp16, for which "
                 "adapters turn on dynamic loss scaling. Keeping the base's value.",
                 UserWarning, stacklevel=3,
             )
-        elif _section(config, section).get("loss_scale", "auto") in (None, "auto"):
+        elif config_section(config, section).get("loss_scale", "auto") in (None, "auto"):
             _fill(config, section, "loss_scale", 0)
     known = {c for c in dsp.comms if c is not None}
     if len(known) > 1:
@@ -323,7 +324,7 @@ def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) ->
         known = {wide}
     if known and known != {low}:
         (comm,) = known
-        given = _dtype(config.get("communication_data_type"), "communication_data_type")
+        given = config_dtype(config.get("communication_data_type"), "communication_data_type")
         if given is not None and given != comm:
             raise _contradiction("communication_data_type", config["communication_data_type"],
                                  SHORT[comm])
@@ -341,7 +342,7 @@ def update_half(dsp: DeepSpeedPlan, stage: int) -> tuple[dict[str, Any], str | N
     `data_types.grad_accum_dtype`; ZeRO 0 keeps no master at all. A plan that sets none of
     the three fields leaves DeepSpeed's defaults as they are."""
     plan = dsp.plan
-    names = [n for n in _param_entries(plan) if any(
+    names = [n for n in param_entries(plan) if any(
         getattr(plan[n].policy, f) is not None for f in ("master", "grad", "optim"))]
     if not names:
         return {}, None, ()
@@ -384,7 +385,7 @@ def _update_layouts(plan: PrecisionPlan) -> dict[str, list[str]]:
     """The modules holding parameters, by how they are updated (master, grad, optim), a
     master that is the stored weight itself written alike however it was said."""
     layouts: dict[str, list[str]] = {}
-    for name in _param_entries(plan):
+    for name in param_entries(plan):
         p = plan[name].policy
         low = p.storage if p.storage in LOW_PRECISION else None
         master = p.master if p.master is not None else (None if low is None else "as stored")
@@ -424,26 +425,26 @@ def _fill_update(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None
     if refusal is not None:
         raise ValueError(f"DeepSpeed cannot run the plan's update half: {refusal}. Modules: "
                          f"{list(names[:8])}")
-    section = next((s for s in ("bf16", "fp16") if _flag(config, s)), None)
+    section = next((s for s in ("bf16", "fp16") if config_flag(config, s)), None)
     for key, value in keys.items():
         if key == "grad_accum_dtype":
-            data = _section(config, "data_types")
+            data = config_section(config, "data_types")
             given = data.get(key)
-            if given not in (None, "auto") and _dtype(given, f"data_types.{key}") != to_dtype(
+            if given not in (None, "auto") and config_dtype(given, f"data_types.{key}") != to_dtype(
                     value):
                 raise _contradiction(f"data_types.{key}", given, value)
             _fill(config, "data_types", key, value)
         elif section is not None:
-            given = _section(config, section).get(key)
+            given = config_section(config, section).get(key)
             if given not in (None, "auto") and bool(given) != value:
                 raise _contradiction(f"{section}.{key}", given, value)
             _fill(config, section, key, value)
 
 
-def _static_loss_scale(config: dict[str, Any], dsp: DeepSpeedPlan) -> object | None:
+def static_loss_scale(config: dict[str, Any], dsp: DeepSpeedPlan) -> object | None:
     """The base's static fp16 loss scale where the plan runs DeepSpeed's fp16 mode, else None
     (0, "auto" or unset: dynamic)."""
-    scale: object = _section(config, "fp16").get("loss_scale")
+    scale: object = config_section(config, "fp16").get("loss_scale")
     if dsp.case == "low_storage" and fp16 in dsp.storages and scale not in (None, 0, "auto"):
         return scale
     return None
@@ -451,7 +452,7 @@ def _static_loss_scale(config: dict[str, Any], dsp: DeepSpeedPlan) -> object | N
 
 def _fill_fp32(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
     """fp32 everywhere: no precision section."""
-    for section in _PRECISION_SECTIONS:
+    for section in PRECISION_SECTIONS:
         _disable(config, section, "fp32 training (no section)")
 
 
@@ -463,21 +464,21 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
             "torch_autocast takes one dtype. Annotate one low-precision compute dtype."
         )
     (dtype,) = dsp.low_compute
-    refusal = _fp16_zero_refusal(dsp, stage)
+    refusal = fp16_zero_refusal(dsp, stage)
     if refusal:
         raise ValueError(f"{refusal} (see the DeepSpeed guide). {FP16_ZERO_FIX}")
     needs = f"torch_autocast (fp32 storage, {dtype_name(dtype)} compute)"
     for section in ("bf16", "fp16"):
         _disable(config, section, needs)
-    if _flag(config, "torch_autocast") is False:
+    if config_flag(config, "torch_autocast") is False:
         raise _contradiction("torch_autocast.enabled",
-                             _section(config, "torch_autocast")["enabled"], True)
+                             config_section(config, "torch_autocast")["enabled"], True)
     _fill(config, "torch_autocast", "enabled", True)
-    given = _section(config, "torch_autocast").get("dtype")
-    if _dtype(given, "torch_autocast.dtype") not in (None, dtype):
+    given = config_section(config, "torch_autocast").get("dtype")
+    if config_dtype(given, "torch_autocast.dtype") not in (None, dtype):
         raise _contradiction("torch_autocast.dtype", given, _torch_name(dtype))
     _fill(config, "torch_autocast", "dtype", _torch_name(dtype))
-    listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
+    listed = config_section(config, "torch_autocast").get("lower_precision_safe_modules")
     if listed not in (None, "auto"):
         _check_user_classes(dsp, listed, dtype)
     else:
@@ -488,7 +489,7 @@ def _fill_autocast(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> No
               classes if classes is not None else [])
     if len(dsp.comms) == 1 and None not in dsp.comms:  # one comm dtype: every stage honours it
         (comm,) = dsp.comms
-        given = _dtype(config.get("communication_data_type"), "communication_data_type")
+        given = config_dtype(config.get("communication_data_type"), "communication_data_type")
         if given is not None and given != comm:
             raise _contradiction("communication_data_type", config["communication_data_type"],
                                  SHORT[comm])  # type: ignore[index]
@@ -506,7 +507,7 @@ FP16_ZERO_FIX = ("Use ZeRO stage 0, bf16 compute, or uniform fp16 storage (the f
                  "without fp32 islands.")
 
 
-def _fp16_zero_refusal(dsp: DeepSpeedPlan, stage: int) -> str | None:
+def fp16_zero_refusal(dsp: DeepSpeedPlan, stage: int) -> str | None:
     """Why fp16 compute over fp32 storage cannot train under this ZeRO stage (a sentence
     without its full stop), or None."""
     if dsp.case != "autocast" or fp16 not in dsp.low_compute or stage < 1:
@@ -551,14 +552,14 @@ def to_config(
             (the message names the key); or when the plan computes in both fp16 and bf16 over
             fp32 storage.
     """
-    config = _load_base(base)
+    config = load_base(base)
     dsp = translate(model_or_plan)
-    stage = _stage(config)
-    _dtype(config.get("communication_data_type"), "communication_data_type")
-    _dtype(_section(config, "torch_autocast").get("dtype"), "torch_autocast.dtype")
+    stage = zero_stage(config)
+    config_dtype(config.get("communication_data_type"), "communication_data_type")
+    config_dtype(config_section(config, "torch_autocast").get("dtype"), "torch_autocast.dtype")
     _FILLS[dsp.case](config, dsp, stage)
     _fill_update(config, dsp, stage)
-    for section in _PRECISION_SECTIONS:  # DeepSpeed cannot read a null torch_autocast
+    for section in PRECISION_SECTIONS:  # DeepSpeed cannot read a null torch_autocast
         if section in config and config[section] is None:
             del config[section]
     return config
@@ -589,7 +590,7 @@ def _check_user_classes(dsp: DeepSpeedPlan, listed: object, dtype: torch.dtype) 
             f"Received: {listed!r}"
         )
     plan = dsp.plan
-    for name in _param_entries(plan):
+    for name in param_entries(plan):
         comm = plan[name].policy.grad_comm
         if plan[name].type in listed and comm != dtype:
             raise _contradiction(
@@ -626,256 +627,3 @@ def prepare(model: nn.Module, plan: PrecisionPlan | DeepSpeedPlan | None = None)
             elif hasattr(p, "comm_dtype"):
                 del p.comm_dtype
     return model
-
-
-# -- what DeepSpeed will do with a config, and what check says about it --------------------------
-
-#: the classes DeepSpeed's torch_autocast tags with the autocast dtype when its config lists none
-DEFAULT_SAFE_MODULES = ("torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
-                        "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d")
-
-
-def read_config(base: BaseConfig) -> tuple[dict[str, Any], int]:
-    """The config as DeepSpeed reads it and its ZeRO stage; a config DeepSpeed could not read
-    at all (not JSON or hjson, a section that is not an object, a stage that is not 0-3)
-    raises `ValueError`: that is bad input, not a finding."""
-    config = _load_base(base)
-    stage = _stage(config)
-    for section in _PRECISION_SECTIONS:
-        _section(config, section)
-    return config, stage
-
-
-def given_config(dsp: DeepSpeedPlan, base: BaseConfig) -> tuple[dict[str, Any], int]:
-    """The config DeepSpeed will get, and its stage: `base` as it is, or, when there is none,
-    what `to_config(plan)` exports (the way this library launches a plan)."""
-    if base is not None:
-        return read_config(base)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            return read_config(to_config(dsp))
-        except ValueError:  # the plan itself cannot be exported: said by _refusals
-            return {}, 0
-
-
-def reduced(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> dict[str, torch.dtype]:
-    """What DeepSpeed (0.19) reduces each parameter-holding module's gradients in, with this
-    config, after `prepare(model)` set each parameter's `comm_dtype` (in a fresh process).
-
-    - ZeRO 0 and, without torch_autocast, ZeRO 1-3: every gradient in the engine's
-      `communication_data_type`: the config's, else fp16 or bf16 with that section, else fp32.
-    - torch_autocast with ZeRO 1-3: each parameter in its `comm_dtype`, which DeepSpeed sets to
-      the autocast dtype for the exact classes `lower_precision_safe_modules` lists (Linear and
-      Conv when it lists none), over what `prepare` set; else the parameter's own dtype.
-    """
-    plan = dsp.plan
-    low = next((s for s in ("bf16", "fp16") if _flag(config, s)), None)
-    names = _param_entries(plan)
-    if stage == 0 or not _flag(config, "torch_autocast") or low is not None:
-        return dict.fromkeys(names, _engine_comm(config, low))
-    section = _section(config, "torch_autocast")
-    dtype = _dtype(section.get("dtype"), "torch_autocast.dtype") or fp16
-    listed = section.get("lower_precision_safe_modules")
-    classes = set(listed) if isinstance(listed, list) else set(DEFAULT_SAFE_MODULES)
-    return {name: dtype if plan[name].type in classes else (
-        plan[name].policy.grad_comm or plan[name].policy.storage or fp32) for name in names}
-
-
-def _engine_comm(config: dict[str, Any], low: str | None) -> torch.dtype:
-    """The engine's `communication_data_type`: the config's, else its bf16 or fp16 section's
-    dtype (`low`), else fp32."""
-    try:
-        given = _dtype(config.get("communication_data_type"), "communication_data_type")
-    except ValueError:
-        given = None  # refused by DeepSpeed: its own finding
-    return given or {"bf16": bf16, "fp16": fp16}.get(low or "") or fp32
-
-
-def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:
-    """What DeepSpeed will refuse, narrow, widen or run badly for this plan with this config
-    (the config it will be given as it is, else the one `to_config(plan)` exports; and
-    `prepare(model)` called before `initialize`), worked out by the same code as `to_config`
-    and `prepare`.
-
-    Raises:
-        ValueError: for a config DeepSpeed could not read at all (bad input, not a finding).
-    """
-    plan = subject(model_or_plan, "deepspeed.findings").plan
-    dsp = translate(plan, warn=False)
-    config, stage = given_config(dsp, base)
-    out = [*_refusals(dsp, config, stage)]
-    if refused(out):
-        return out  # DeepSpeed does not start: what it would run is moot
-    if dsp.moved:
-        storages = {plan[n].policy.storage for n in _param_entries(plan)}
-        out.append(Finding(
-            "warning", "deepspeed-mixed-storage", dsp.moved[0] if len(dsp.moved) == 1 else "",
-            _mixed_storage_message(storages, len(dsp.moved), dsp.extra_bytes),
-            "Accept the bytes, or make storage uniform (every module bf16 or fp16, islands "
-            "computing in fp32 over low storage).", dsp.moved,
-        ))
-    actual = reduced(dsp, config, stage)
-    cause = ("ZeRO stage 0 reduces every gradient in one dtype (communication_data_type, else "
-             "the parameter dtype)" if stage == 0 else
-             "without torch_autocast ZeRO reduces every gradient in communication_data_type, "
-             "and with it DeepSpeed tags the classes lower_precision_safe_modules lists (Linear "
-             "and Conv when it lists none) with the autocast dtype, over prepare's comm_dtype")
-    fix = ("Pass the config through precision_annot.adapters.deepspeed.to_config(plan, "
-           "config) and call prepare(model) before deepspeed.initialize" + (
-               "; per-module comm needs ZeRO stage 1-3" if stage == 0 else ""))
-    out += drift(plan, "comm", actual, code="deepspeed-zero0-comm" if stage == 0 else
-                 "deepspeed-comm", backend="DeepSpeed", cause=cause, fix=fix)
-    out += _advice(dsp, config, stage)
-    return out
-
-
-def refused(found: list[Finding]) -> bool:
-    """Whether these findings say DeepSpeed will not start at all."""
-    return any(f.message.startswith(_REFUSES) for f in found)
-
-
-def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
-    """What DeepSpeed refuses to start with, or starts and never updates."""
-    cdt = config.get("communication_data_type")
-    if cdt is not None and str(cdt).lower() not in ("fp16", "bf16", "fp32"):
-        yield Finding(
-            "error", "deepspeed-config", "",
-            f"{_REFUSES} communication_data_type={cdt!r} (\"Invalid "
-            "communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']\").",
-            "Leave it out, or give one of 'fp16', 'bf16', 'fp32'; to_config(plan, config) "
-            "fills it from the plan.")
-    refused_auto = unresolved_auto(config)
-    if refused_auto:
-        keys = [k for k, _ in refused_auto]
-        yield Finding(
-            "error", "deepspeed-auto", "",
-            f"{_REFUSES} \"auto\" at {', '.join(keys)} ({refused_auto[0][1]}): \"auto\" is "
-            "filled by Hugging Face's Trainer and Accelerate before they start DeepSpeed, and "
-            "DeepSpeed itself resolves it only inside its own sections (zero_optimization, "
-            "bf16, fp16), not in these keys.",
-            f"Give {', '.join(keys)} values, or launch through transformers' Trainer or "
-            "Accelerate, which fill them; to_config(plan, config) fills the precision keys "
-            "only.")
-    _, cannot, modules = update_half(dsp, stage)
-    if cannot is not None:
-        yield Finding(
-            "error", "deepspeed-update", modules[0] if modules else "",
-            f"DeepSpeed cannot run the plan's update half: {cannot}. to_config refuses it, and "
-            "a config written by hand runs DeepSpeed's own layout instead: the plan's masters, "
-            "gradients or state would be other than planned.",
-            "Give every module one update layout DeepSpeed has (fp32 masters and state, or "
-            "bf16 masters with bf16_optimizer_states; grad=fp32 for fp32 accumulation), or "
-            "train locally, with DDP or FSDP2 and precision_annot.optimizer.", modules)
-    refusal = _fp16_zero_refusal(dsp, stage)
-    if refusal:
-        yield Finding("error", "deepspeed-fp16-zero", "",
-                      f"{refusal}: every step is lost.", FP16_ZERO_FIX)
-    if _flag(config, "fp16") and not _fp16_supported():
-        yield Finding(
-            "error", "deepspeed-fp16-device", "",
-            f"{_REFUSES} the fp16 section on this machine: its accelerator has no fp16 "
-            "(\"Type fp16 is not supported on your device\").",
-            "Run on a device with fp16 (a GPU), or use bf16 (fp16 compute over fp32 storage "
-            "goes through torch_autocast at ZeRO stage 0).")
-    if refusal is None and cannot is None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                to_config(dsp, config)
-        except (TypeError, ValueError) as e:
-            yield Finding("error", "deepspeed-config", "", f"{e}. {_CONSEQUENCE}",
-                          "Change the config or the plan's annotations, as the message says.")
-
-
-#: "auto" values DeepSpeed's engine reads as they are after its config parser let them through
-#: (seen with deepspeed 0.19.8: `'>' not supported between instances of 'str' and 'float'` for
-#: gradient_clipping; "warmup_num_steps must be a positive integer, got auto")
-_ENGINE_AUTO = ("gradient_clipping", "scheduler.params.")
-
-
-def _auto_paths(value: Any, path: str = "") -> Iterator[str]:
-    """The dotted paths of the "auto" values in a config."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _auto_paths(item, f"{path}.{key}" if path else str(key))
-    elif value == "auto":
-        yield path
-
-
-def unresolved_auto(config: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """The "auto" values of `config` that DeepSpeed refuses, with why: each is asked of
-    DeepSpeed's own config parser alone (inside its sections it resolves "auto" to the default;
-    the batch sizes it reads as they are), and the engine's own reads (`_ENGINE_AUTO`) are
-    refused as seen. The precision keys `to_config` fills are left to it."""
-    paths = [p for p in _auto_paths(config) if p.split(".")[0] not in _PRECISION_SECTIONS
-             and p != "communication_data_type"]
-    if not paths:
-        return []
-    try:
-        from deepspeed.runtime.config import DeepSpeedConfig
-    except ImportError:  # not installed here: only the engine's reads are known
-        DeepSpeedConfig = None
-    out = []
-    for path in paths:
-        if path.startswith(_ENGINE_AUTO) or path == _ENGINE_AUTO[0]:
-            out.append((path, "its engine reads it as a number"))
-            continue
-        if DeepSpeedConfig is None:
-            continue
-        probe: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        *parents, leaf = path.split(".")
-        at = probe
-        for part in parents:
-            at = at.setdefault(part, {})
-        at[leaf] = "auto"
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                DeepSpeedConfig(probe)
-        except Exception as e:
-            out.append((path, f"{type(e).__name__}: {e}"[:160]))
-    return out
-
-
-_REFUSES = "DeepSpeed refuses to start with"
-_CONSEQUENCE = ("Launched as it is, DeepSpeed runs every module in the config's one dtype: "
-                "under ZeRO-2 and ZeRO-3 an fp32 island then stops the first forward with "
-                "\"mat1 and mat2 must have the same dtype\", and under ZeRO-0 it trains in the "
-                "low dtype")
-
-
-def _fp16_supported() -> bool:
-    try:
-        from deepspeed.accelerator import get_accelerator
-    except ImportError:
-        return True  # not installed here: the machine that launches will say
-    try:
-        return bool(get_accelerator().is_fp16_supported())
-    except Exception:
-        return True
-
-
-def _advice(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
-    """What runs as planned but costs or risks something."""
-    if dsp.case == "autocast" and len(dsp.low_compute) == 1:
-        (dtype,) = dsp.low_compute
-        listed = _section(config, "torch_autocast").get("lower_precision_safe_modules")
-        if listed in (None, "auto", []) and safe_classes(dsp, dtype) is None:
-            yield Finding(
-                "info", "deepspeed-needs-prepare", "",
-                "The plan's comm dtypes cannot be said by exact class (DeepSpeed matches "
-                "module.__class__, not subclasses or instances), so the config lists no "
-                "class and each parameter carries its own comm_dtype.",
-                "precision_annot.adapters.deepspeed.prepare(model) before "
-                "deepspeed.initialize(model=model, config=config).",
-            )
-    scale = _static_loss_scale(config, dsp)
-    if scale is not None:
-        yield Finding(
-            "warning", "deepspeed-static-loss-scale", "",
-            f"The config sets fp16.loss_scale={scale!r}, a static scale: DeepSpeed still skips "
-            "a step whose gradients overflow, but a gradient that underflows at this scale is "
-            "not rescued by raising it, so small updates vanish.",
-            "Set fp16.loss_scale to 0 (dynamic), or leave it out.",
-        )

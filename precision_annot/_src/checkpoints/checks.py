@@ -1,0 +1,226 @@
+"""`check(model_or_plan, "checkpoint", {"path": ...})`: what loading a checkpoint would do to
+the plan, read from the dtypes the checkpoint recorded (no tensor data is read).
+
+Each tensor of the plan's model (its parameters and persistent buffers, as `resolve` saw them)
+is found in the checkpoint under a common prefix (none for a state dict; `model.` for DCP's
+`{"model": ...}`; `state_dict.` for a Lightning checkpoint; `module.` for a DDP one) and its
+saved dtype compared with the dtype the plan keeps it in:
+
+- narrowed (an error): saved narrower than the plan keeps it (an fp32 island saved in bf16):
+  the load widens it back, with the low bits already gone;
+- widened (an info): saved wider (an fp32 checkpoint of a bf16 layer): the load rounds it
+  into the plan's dtype, as planned;
+- missing or unexpected (a warning): a tensor of the model the checkpoint lacks (a tied
+  parameter saved once counts as saved), or a floating tensor under the prefix that is no
+  tensor of the model;
+- a shape other than the model's (an error): `load_state_dict` refuses it.
+
+A parameter whose plan keeps a master copy (`master=fp32` over bf16 storage) is kept in the
+master's dtype: the checkpoint's master for it (a tensor named `<name>.master` under any
+prefix, as an optimizer's state flattens) is compared with that dtype; without one, a resumed run
+starts its master from the saved weight, which a warning says when that weight is narrower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from precision_annot._src.check_backend import CheckBackend, Checked
+from precision_annot._src.checkpoints.reading import Saved, saved_tensors
+from precision_annot._src.dtypes import dtype_name, wider
+from precision_annot._src.findings import Finding, listing
+from precision_annot._src.plan import PrecisionPlan, TensorInfo, parent_name
+from precision_annot._src.runtime import Subject
+
+__all__ = ["CHECKS", "CheckpointChecks", "checkpoint_findings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """One tensor of the plan's model: its info, and the dtype the plan keeps its value in."""
+
+    info: TensorInfo
+    keep: torch.dtype
+    master: torch.dtype | None  # a master copy's dtype, where the plan keeps one
+
+
+def _planned(plan: PrecisionPlan) -> dict[str, _Planned]:
+    out = {}
+    for name, entry in plan.items():
+        policy = entry.policy
+        master = policy.master if policy.copies_master else None
+        for info in entry.facts.tensors if entry.facts is not None else ():
+            if info.persistent:
+                full = f"{name}.{info.name}" if name else info.name
+                out[full] = _Planned(info, info.dtype,
+                                     master if isinstance(master, torch.dtype)
+                                     and not info.buffer else None)
+    return out
+
+
+def _prefix(planned: Mapping[str, _Planned], saved: Mapping[str, Saved]) -> str:
+    """The prefix under which the most of the model's tensors are saved ("" on a tie)."""
+    counts: dict[str, int] = {}
+    for key in saved:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            if ".".join(parts[i:]) in planned:
+                prefix = ".".join(parts[:i])
+                counts[prefix + "." if prefix else ""] = counts.get(
+                    prefix + "." if prefix else "", 0) + 1
+    return max(sorted(counts), key=lambda p: (counts[p], -len(p)), default="")
+
+
+def _masters(saved: Mapping[str, Saved]) -> dict[str, Saved]:
+    """The master copies a checkpoint holds, by the parameter name they end with."""
+    return {key.rpartition(".")[0]: value for key, value in saved.items()
+            if key.endswith(".master")}
+
+
+def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: str
+                        ) -> list[Finding]:
+    """What loading the checkpoint `saved` (its tensors' dtypes and shapes, by key) into the
+    plan's model would do, as findings."""
+    planned = _planned(plan)
+    prefix = _prefix(planned, saved)
+    masters = _masters(saved)
+    out: list[Finding] = []
+    widened: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
+    missing: list[str] = []
+    no_master: list[str] = []
+    for name, want in planned.items():
+        got = saved.get(prefix + name)
+        if got is None:
+            tie = want.info.tied
+            if tie is None or prefix + tie not in saved:
+                missing.append(name)
+            continue
+        if got.shape != want.info.shape:
+            out.append(_shape(name, got, want, where))
+            continue
+        if want.info.dtype.is_floating_point and got.dtype.is_floating_point:
+            out += _compare(name, got.dtype, want.keep, where, widened)
+        if want.master is not None:
+            master = next((m for k, m in masters.items() if k == name or k.endswith("." + name)),
+                          None)
+            if master is not None:
+                out += _compare(f"{name} (its master)", master.dtype, want.master, where, {})
+            elif not wider(got.dtype, want.master) and got.dtype != want.master:
+                no_master.append(name)
+    out += _widened(widened, where) + _missing(missing, where) + _no_masters(
+        plan, no_master, planned, where)
+    out += _unexpected(planned, saved, prefix, where)
+    return out
+
+
+def _module(name: str) -> str:
+    return parent_name(name.split(" ")[0])
+
+
+def _compare(name: str, dtype: torch.dtype, keep: torch.dtype, where: str,
+             widened: dict[tuple[torch.dtype, torch.dtype], list[str]]) -> list[Finding]:
+    if dtype == keep:
+        return []
+    if wider(dtype, keep):
+        widened.setdefault((dtype, keep), []).append(name)
+        return []
+    return [Finding(
+        "error", "checkpoint-narrowed", _module(name),
+        f"{where} holds {name!r} in {dtype_name(dtype)}, and the plan keeps it in "
+        f"{dtype_name(keep)}: a load widens it back to {dtype_name(keep)} with "
+        f"{dtype_name(dtype)}'s rounding, so the bits the plan keeps it wide for are already "
+        "gone.",
+        "Load it from a checkpoint saved as the plan keeps it (the applied model's own "
+        "state_dict, adapters.transformers.save_pretrained), or accept the rounding.")]
+
+
+def _shape(name: str, got: Saved, want: _Planned, where: str) -> Finding:
+    return Finding(
+        "error", "checkpoint-shape", _module(name),
+        f"{where} holds {name!r} with shape {list(got.shape)}, and the model's is "
+        f"{list(want.info.shape)}: load_state_dict refuses it (\"size mismatch\").",
+        "Load a checkpoint of this model's configuration.")
+
+
+def _widened(widened: dict[tuple[torch.dtype, torch.dtype], list[str]], where: str
+             ) -> list[Finding]:
+    return [Finding(
+        "info", "checkpoint-widened", _module(names[0]) if len(names) == 1 else "",
+        f"{where} holds {len(names)} tensor(s) in {dtype_name(saved)} that the plan keeps in "
+        f"{dtype_name(keep)} ({listing(names)}): a load rounds them into {dtype_name(keep)}, as "
+        "planned.", "Nothing to do; the plan stores them narrower by design.",
+        tuple(dict.fromkeys(_module(n) for n in names)))
+        for (saved, keep), names in sorted(widened.items(), key=lambda kv: str(kv[0]))]
+
+
+def _missing(missing: list[str], where: str) -> list[Finding]:
+    if not missing:
+        return []
+    return [Finding(
+        "warning", "checkpoint-missing", _module(missing[0]) if len(missing) == 1 else "",
+        f"{where} lacks {len(missing)} tensor(s) of the model ({listing(missing)}): "
+        "load_state_dict(strict=True) refuses it, and a strict=False load leaves them as "
+        "initialized.", "Check that the checkpoint is of this model, or load with strict=False "
+        "on purpose.", tuple(dict.fromkeys(_module(n) for n in missing)))]
+
+
+def _no_masters(plan: PrecisionPlan, names: list[str], planned: Mapping[str, _Planned],
+                where: str) -> list[Finding]:
+    if not names:
+        return []
+    want = planned[names[0]].master
+    assert want is not None
+    return [Finding(
+        "warning", "checkpoint-no-masters", _module(names[0]) if len(names) == 1 else "",
+        f"{where} holds no master copy for {len(names)} parameter(s) whose plan keeps "
+        f"{dtype_name(want)} masters ({listing(names)}), only their narrower weights: a run "
+        "resumed from it starts the masters from the saved weights, without what the masters "
+        "held below the weights' precision.",
+        "To resume exactly, save the optimizer's state (its masters) with the model; to start "
+        "from the weights, nothing to do.", tuple(dict.fromkeys(_module(n) for n in names)))]
+
+
+def _unexpected(planned: Mapping[str, _Planned], saved: Mapping[str, Saved], prefix: str,
+                where: str) -> list[Finding]:
+    extra = [k[len(prefix):] for k, v in saved.items() if k.startswith(prefix)
+             and v.dtype.is_floating_point and k[len(prefix):] not in planned
+             and not k.endswith(".master")]
+    if not extra:
+        return []
+    return [Finding(
+        "warning", "checkpoint-unexpected", "",
+        f"{where} holds {len(extra)} floating tensor(s) that are no tensor of the model "
+        f"({listing(extra)}): load_state_dict(strict=True) refuses it.",
+        "Check that the checkpoint is of this model (or another layout of it: renamed keys).")]
+
+
+class CheckpointChecks(CheckBackend):
+    """`check(model_or_plan, "checkpoint", {"path": ...})`: a DCP directory, safetensors files
+    (or their index), or a `torch.save` file, read without its tensor data."""
+
+    name = "checkpoint"
+    keys = ("path",)
+    trains = False
+
+    def options(self, config: Any) -> Any:
+        options = super().options(config)
+        path = None if options is None else options.get("path")
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(
+                "check: backend='checkpoint' needs config={'path': ...}, the checkpoint to read "
+                "(a DCP directory, a .safetensors file or index, or a torch.save file). "
+                f"Received: config={config!r}")
+        return options
+
+    def run(self, given: Subject, options: Any) -> Checked:
+        path = options["path"]
+        return Checked(checkpoint_findings(given.plan, saved_tensors(path),
+                                           f"The checkpoint {str(path)!r}"))
+
+
+CHECKS = CheckpointChecks()

@@ -1,0 +1,455 @@
+"""DeepSpeed checks: what DeepSpeed will refuse, narrow, widen or run badly with a config.
+
+Worked out by the same code that exports the config (`export.translate`, `to_config`,
+`prepare`), and from what DeepSpeed 0.19 does with a config: ZeRO 0 reduces every gradient in
+one dtype; without torch_autocast ZeRO 1-3 do too; with it, each parameter reduces in its
+`comm_dtype`. `CHECKS` is the backend `check(..., "deepspeed", config)` asks.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from precision_annot._src.check_backend import CheckBackend, Checked
+from precision_annot._src.dtypes import bf16, fp16, fp32
+from precision_annot._src.findings import Finding, drift, listing
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.runtime import Subject, subject
+from precision_annot.adapters.deepspeed.export import (
+    FP16_ZERO_FIX,
+    PRECISION_SECTIONS,
+    BaseConfig,
+    DeepSpeedPlan,
+    config_dtype,
+    config_flag,
+    config_section,
+    fp16_zero_refusal,
+    load_base,
+    mixed_storage_message,
+    param_entries,
+    safe_classes,
+    static_loss_scale,
+    to_config,
+    translate,
+    update_half,
+    zero_stage,
+)
+
+__all__ = ["CHECKS", "DEFAULT_SAFE_MODULES", "DeepSpeedChecks", "findings", "given_config",
+           "read_config", "reduced", "refused", "unresolved_auto"]
+
+
+#: the classes DeepSpeed's torch_autocast tags with the autocast dtype when its config lists none
+DEFAULT_SAFE_MODULES = ("torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
+                        "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d")
+
+
+def read_config(base: BaseConfig) -> tuple[dict[str, Any], int]:
+    """The config as DeepSpeed reads it and its ZeRO stage; a config DeepSpeed could not read
+    at all (not JSON or hjson, a section that is not an object, a stage that is not 0-3)
+    raises `ValueError`: that is bad input, not a finding."""
+    config = load_base(base)
+    stage = zero_stage(config)
+    for section in PRECISION_SECTIONS:
+        config_section(config, section)
+    return config, stage
+
+
+def given_config(dsp: DeepSpeedPlan, base: BaseConfig) -> tuple[dict[str, Any], int]:
+    """The config DeepSpeed will get, and its stage: `base` as it is, or, when there is none,
+    what `to_config(plan)` exports (the way this library launches a plan)."""
+    if base is not None:
+        return read_config(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return read_config(to_config(dsp))
+        except ValueError:  # the plan itself cannot be exported: said by _refusals
+            return {}, 0
+
+
+def reduced(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> dict[str, torch.dtype]:
+    """What DeepSpeed (0.19) reduces each parameter-holding module's gradients in, with this
+    config, after `prepare(model)` set each parameter's `comm_dtype` (in a fresh process).
+
+    - ZeRO 0 and, without torch_autocast, ZeRO 1-3: every gradient in the engine's
+      `communication_data_type`: the config's, else fp16 or bf16 with that section, else fp32.
+    - torch_autocast with ZeRO 1-3: each parameter in its `comm_dtype`, which DeepSpeed sets to
+      the autocast dtype for the exact classes `lower_precision_safe_modules` lists (Linear and
+      Conv when it lists none), over what `prepare` set; else the parameter's own dtype.
+    """
+    plan = dsp.plan
+    low = next((s for s in ("bf16", "fp16") if config_flag(config, s)), None)
+    names = param_entries(plan)
+    if stage == 0 or not config_flag(config, "torch_autocast") or low is not None:
+        return dict.fromkeys(names, _engine_comm(config, low))
+    section = config_section(config, "torch_autocast")
+    dtype = config_dtype(section.get("dtype"), "torch_autocast.dtype") or fp16
+    listed = section.get("lower_precision_safe_modules")
+    classes = set(listed) if isinstance(listed, list) else set(DEFAULT_SAFE_MODULES)
+    return {name: dtype if plan[name].type in classes else (
+        plan[name].policy.grad_comm or plan[name].policy.storage or fp32) for name in names}
+
+
+def _engine_comm(config: dict[str, Any], low: str | None) -> torch.dtype:
+    """The engine's `communication_data_type`: the config's, else its bf16 or fp16 section's
+    dtype (`low`), else fp32."""
+    try:
+        given = config_dtype(config.get("communication_data_type"), "communication_data_type")
+    except ValueError:
+        given = None  # refused by DeepSpeed: its own finding
+    return given or {"bf16": bf16, "fp16": fp16}.get(low or "") or fp32
+
+
+def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) -> list[Finding]:
+    """What DeepSpeed will refuse, narrow, widen or run badly for this plan with this config
+    (the config it will be given as it is, else the one `to_config(plan)` exports; and
+    `prepare(model)` called before `initialize`), worked out by the same code as `to_config`
+    and `prepare`.
+
+    Raises:
+        ValueError: for a config DeepSpeed could not read at all (bad input, not a finding).
+    """
+    plan = subject(model_or_plan, "deepspeed.findings").plan
+    dsp = translate(plan, warn=False)
+    config, stage = given_config(dsp, base)
+    out = [*_refusals(dsp, config, stage)]
+    if refused(out):
+        return out  # DeepSpeed does not start: what it would run is moot
+    if dsp.moved:
+        storages = {plan[n].policy.storage for n in param_entries(plan)}
+        out.append(Finding(
+            "warning", "deepspeed-mixed-storage", dsp.moved[0] if len(dsp.moved) == 1 else "",
+            mixed_storage_message(storages, len(dsp.moved), dsp.extra_bytes),
+            "Accept the bytes, or make storage uniform (every module bf16 or fp16, islands "
+            "computing in fp32 over low storage).", dsp.moved,
+        ))
+    actual = reduced(dsp, config, stage)
+    cause = ("ZeRO stage 0 reduces every gradient in one dtype (communication_data_type, else "
+             "the parameter dtype)" if stage == 0 else
+             "without torch_autocast ZeRO reduces every gradient in communication_data_type, "
+             "and with it DeepSpeed tags the classes lower_precision_safe_modules lists (Linear "
+             "and Conv when it lists none) with the autocast dtype, over prepare's comm_dtype")
+    fix = ("Pass the config through precision_annot.adapters.deepspeed.to_config(plan, "
+           "config) and call prepare(model) before deepspeed.initialize" + (
+               "; per-module comm needs ZeRO stage 1-3" if stage == 0 else ""))
+    out += drift(plan, "comm", actual, code="deepspeed-zero0-comm" if stage == 0 else
+                 "deepspeed-comm", backend="DeepSpeed", cause=cause, fix=fix)
+    out += _advice(dsp, config, stage)
+    return out
+
+
+def refused(found: list[Finding]) -> bool:
+    """Whether these findings say DeepSpeed will not start at all."""
+    return any(f.message.startswith(_REFUSES) for f in found)
+
+
+def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
+    """What DeepSpeed refuses to start with, or starts and never updates."""
+    cdt = config.get("communication_data_type")
+    if cdt is not None and str(cdt).lower() not in ("fp16", "bf16", "fp32"):
+        yield Finding(
+            "error", "deepspeed-config", "",
+            f"{_REFUSES} communication_data_type={cdt!r} (\"Invalid "
+            "communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']\").",
+            "Leave it out, or give one of 'fp16', 'bf16', 'fp32'; to_config(plan, config) "
+            "fills it from the plan.")
+    refused_auto = unresolved_auto(config)
+    if refused_auto:
+        keys = [k for k, _ in refused_auto]
+        yield Finding(
+            "error", "deepspeed-auto", "",
+            f"{_REFUSES} \"auto\" at {', '.join(keys)} ({refused_auto[0][1]}): \"auto\" is "
+            "filled by Hugging Face's Trainer and Accelerate before they start DeepSpeed, and "
+            "DeepSpeed itself resolves it only inside its own sections (zero_optimization, "
+            "bf16, fp16), not in these keys.",
+            f"Give {', '.join(keys)} values, or launch through transformers' Trainer or "
+            "Accelerate, which fill them; to_config(plan, config) fills the precision keys "
+            "only.")
+    _, cannot, modules = update_half(dsp, stage)
+    if cannot is not None:
+        yield Finding(
+            "error", "deepspeed-update", modules[0] if modules else "",
+            f"DeepSpeed cannot run the plan's update half: {cannot}. to_config refuses it, and "
+            "a config written by hand runs DeepSpeed's own layout instead: the plan's masters, "
+            "gradients or state would be other than planned.",
+            "Give every module one update layout DeepSpeed has (fp32 masters and state, or "
+            "bf16 masters with bf16_optimizer_states; grad=fp32 for fp32 accumulation), or "
+            "train locally, with DDP or FSDP2 and precision_annot.optimizer.", modules)
+    refusal = fp16_zero_refusal(dsp, stage)
+    if refusal:
+        yield Finding("error", "deepspeed-fp16-zero", "",
+                      f"{refusal}: every step is lost.", FP16_ZERO_FIX)
+    if config_flag(config, "fp16") and not _fp16_supported():
+        yield Finding(
+            "error", "deepspeed-fp16-device", "",
+            f"{_REFUSES} the fp16 section on this machine: its accelerator has no fp16 "
+            "(\"Type fp16 is not supported on your device\").",
+            "Run on a device with fp16 (a GPU), or use bf16 (fp16 compute over fp32 storage "
+            "goes through torch_autocast at ZeRO stage 0).")
+    if refusal is None and cannot is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                to_config(dsp, _without_update_keys(config))  # those: _update_layout's
+        except (TypeError, ValueError) as e:
+            yield Finding("error", "deepspeed-config", "",
+                          f"{str(e).rstrip('.')}. {_CONSEQUENCE}.",
+                          "Change the config or the plan's annotations, as the message says.")
+        yield from _update_layout(dsp, config, stage)
+
+
+# -- the update half: the config's layout against the plan's ----------------------------------
+
+_MASTERS = "{}_master_weights_and_grads"
+_STATES = "{}_optimizer_states"
+_LOW = {"bf16": bf16, "fp16": fp16}
+
+
+def _without_update_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` less the keys that say where DeepSpeed keeps masters and optimizer states:
+    `_update_layout` compares those with the plan itself."""
+    out = copy.deepcopy(config)
+    for section in _LOW:
+        if isinstance(out.get(section), dict):
+            for key in (_MASTERS.format(section), _STATES.format(section)):
+                out[section].pop(key, None)
+    return out
+
+
+def _update_layout(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int
+                   ) -> Iterator[Finding]:
+    """Where the config keeps masters and optimizer states (DeepSpeed's defaults where it says
+    nothing) other than the plan does: narrowed (an error), widened (a warning), or a layout
+    DeepSpeed itself refuses."""
+    planned, _, _ = update_half(dsp, stage)
+    section = next((s for s in _LOW if config_flag(config, s)), None)
+    names = _update_modules(dsp.plan)
+    if not planned or section is None or not names:
+        return  # the plan leaves the update half to DeepSpeed, or runs no bf16/fp16 section
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    given = {key: bool(config_flag(config, section, key)) for key in (masters, states)}
+    refusal = _layout_refusal(config, section, given[masters], given[states], stage)
+    if refusal is not None:
+        yield _refused_layout(names, section, refusal,
+                              fp32_planned=planned.get(masters) is False and given[masters])
+    elif masters in planned and planned[masters] != given[masters]:
+        said = "true" if given[masters] else _false(config, section, masters)
+        yield _masters_finding(dsp.plan, names, section, given[masters], said)
+    elif states in planned and planned[states] != given[states]:
+        yield _states_finding(dsp.plan, names, section, planned[states])
+
+
+def _update_modules(plan: PrecisionPlan) -> tuple[str, ...]:
+    """The parameter-holding modules whose plan sets the update half."""
+    return tuple(n for n in param_entries(plan) if any(
+        getattr(plan[n].policy, f) is not None for f in ("master", "grad", "optim")))
+
+
+def _false(config: dict[str, Any], section: str, key: str) -> str:
+    """How a config says a flag is off: "false", or not at all."""
+    return ("false" if key in config_section(config, section) else
+            "not set, and DeepSpeed's default is false")
+
+
+def _refused_layout(names: tuple[str, ...], section: str, refusal: str, *,
+                    fp32_planned: bool) -> Finding:
+    """A layout DeepSpeed refuses; where the plan keeps fp32 masters and the config asked for
+    low ones, what the names mean besides."""
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    return Finding("error", "deepspeed-masters", names[0], f"{_REFUSES} {refusal}." + (
+        f" Nor is it the plan's layout: the plan keeps fp32 masters (master=fp32), and "
+        f"{masters}: true keeps them in {section}. {_NAMES_MISLEAD}" if fp32_planned else ""),
+        f"Leave {section}.{masters} and {section}.{states} out, or set them as "
+        "to_config(plan, config) writes them.", names)
+
+
+def _layout_refusal(config: dict[str, Any], section: str, low_masters: bool, low_states: bool,
+                    stage: int) -> str | None:
+    """Why DeepSpeed (0.19) refuses this layout at `initialize`, or None."""
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    if (low_masters or low_states) and stage == 0:
+        return f"{section}.{masters} or {states} at ZeRO stage 0 (\"only supported with ZeRO " \
+               "Stage 1, 2, or 3\")"
+    if low_states and not low_masters:
+        return (f"{section}.{states} without {masters} (\"{states} requires {masters} to be "
+                "enabled\")")
+    offload = config_section(config_section(config, "zero_optimization"),
+                             "offload_optimizer").get("device") in ("cpu", "nvme")
+    if low_masters and not low_states and not offload:
+        return (f"{section}.{masters} without {states}: its optimizer states would stay fp32, "
+                f"which needs ZeRO-Offload with DeepSpeedCPUAdam (\"Master weights feature "
+                f"requires ZeRO-{stage} Offload with DeepSpeedCPUAdam\")")
+    return None
+
+
+_NAMES_MISLEAD = ("The names read alike and mean opposite things: the preset \"bf16-master\" "
+                  "(master=fp32) keeps fp32 master weights beside bf16 weights, while "
+                  "DeepSpeed's bf16_master_weights_and_grads: true keeps the master weights "
+                  "themselves in bf16.")
+
+
+def _masters_finding(plan: PrecisionPlan, names: tuple[str, ...], section: str,
+                     given_low: bool, said: str) -> Finding:
+    """The config keeps the masters in another dtype than the plan: narrower (an error) or
+    wider (a warning), said with what each name means."""
+    key = f"{section}.{_MASTERS.format(section)}"
+    elements = sum(plan[n].params for n in names)
+    if given_low:  # the plan keeps fp32 masters, DeepSpeed low ones: narrowed
+        return Finding(
+            "error", "deepspeed-masters", names[0],
+            f"DeepSpeed keeps {section} master weights and gradients ({key}: {said}), where "
+            f"the plan keeps fp32 masters (master=fp32) for {listing(list(names))} "
+            f"({elements:,} parameters): each update is added to a {section} weight, so one "
+            f"below about 2^-{8 if section == 'bf16' else 11} of the weight rounds away. "
+            f"{_NAMES_MISLEAD}",
+            f"Set {key} to false and drop {section}.{_STATES.format(section)} (or leave both "
+            "out): to_config(plan, config) writes them as the plan says.", names)
+    return Finding(
+        "warning", "deepspeed-masters", names[0],
+        f"DeepSpeed keeps fp32 master weights and gradients and fp32 optimizer state ({key}: "
+        f"{said}), where the plan updates the {section} weights themselves "
+        f"(master={section}) for {listing(list(names))}: {elements * 2:,} more bytes of "
+        f"masters and twice the bytes of optimizer state than planned. {_NAMES_MISLEAD}",
+        f"Set {key} and {section}.{_STATES.format(section)} to true (to_config(plan, config) "
+        "writes them), or plan master=fp32.", names)
+
+
+def _states_finding(plan: PrecisionPlan, names: tuple[str, ...], section: str,
+                    planned_low: bool) -> Finding:
+    """Masters as planned, optimizer states in another dtype."""
+    key = f"{section}.{_STATES.format(section)}"
+    if planned_low:
+        return Finding("warning", "deepspeed-masters", names[0],
+                       f"DeepSpeed keeps fp32 optimizer state ({key} is false), where the plan "
+                       f"keeps it in {section} for {listing(list(names))}: twice the bytes.",
+                       f"Set {key} to true.", names)
+    return Finding("error", "deepspeed-masters", names[0],
+                   f"DeepSpeed keeps {section} optimizer state ({key}: true), where the plan "
+                   f"keeps it wider for {listing(list(names))}: the moments lose bits.",
+                   f"Set {key} to false.", names)
+
+
+#: "auto" values DeepSpeed's engine reads as they are after its config parser let them through
+#: (seen with deepspeed 0.19.8: `'>' not supported between instances of 'str' and 'float'` for
+#: gradient_clipping; "warmup_num_steps must be a positive integer, got auto")
+_ENGINE_AUTO = ("gradient_clipping", "scheduler.params.")
+
+
+def _auto_paths(value: Any, path: str = "") -> Iterator[str]:
+    """The dotted paths of the "auto" values in a config."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _auto_paths(item, f"{path}.{key}" if path else str(key))
+    elif value == "auto":
+        yield path
+
+
+def unresolved_auto(config: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The "auto" values of `config` that DeepSpeed refuses, with why: each is asked of
+    DeepSpeed's own config parser alone (inside its sections it resolves "auto" to the default;
+    the batch sizes it reads as they are), and the engine's own reads (`_ENGINE_AUTO`) are
+    refused as seen. The precision keys `to_config` fills are left to it."""
+    paths = [p for p in _auto_paths(config) if p.split(".")[0] not in PRECISION_SECTIONS
+             and p != "communication_data_type"]
+    if not paths:
+        return []
+    try:
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError:  # not installed here: only the engine's reads are known
+        DeepSpeedConfig = None
+    out = []
+    for path in paths:
+        if path.startswith(_ENGINE_AUTO) or path == _ENGINE_AUTO[0]:
+            out.append((path, "its engine reads it as a number"))
+            continue
+        if DeepSpeedConfig is None:
+            continue
+        probe: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        *parents, leaf = path.split(".")
+        at = probe
+        for part in parents:
+            at = at.setdefault(part, {})
+        at[leaf] = "auto"
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                DeepSpeedConfig(probe)
+        except Exception as e:
+            out.append((path, f"{type(e).__name__}: {e}"[:160]))
+    return out
+
+
+_REFUSES = "DeepSpeed refuses to start with"
+_CONSEQUENCE = ("Launched as it is, DeepSpeed runs every module in the config's one dtype: "
+                "under ZeRO-2 and ZeRO-3 an fp32 island then stops the first forward with "
+                "\"mat1 and mat2 must have the same dtype\", and under ZeRO-0 it trains in the "
+                "low dtype")
+
+
+def _fp16_supported() -> bool:
+    try:
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        return True  # not installed here: the machine that launches will say
+    try:
+        return bool(get_accelerator().is_fp16_supported())
+    except Exception:
+        return True
+
+
+def _advice(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
+    """What runs as planned but costs or risks something."""
+    if dsp.case == "autocast" and len(dsp.low_compute) == 1:
+        (dtype,) = dsp.low_compute
+        listed = config_section(config, "torch_autocast").get("lower_precision_safe_modules")
+        if listed in (None, "auto", []) and safe_classes(dsp, dtype) is None:
+            yield Finding(
+                "info", "deepspeed-needs-prepare", "",
+                "The plan's comm dtypes cannot be said by exact class (DeepSpeed matches "
+                "module.__class__, not subclasses or instances), so the config lists no "
+                "class and each parameter carries its own comm_dtype.",
+                "precision_annot.adapters.deepspeed.prepare(model) before "
+                "deepspeed.initialize(model=model, config=config).",
+            )
+    scale = static_loss_scale(config, dsp)
+    if scale is not None:
+        yield Finding(
+            "warning", "deepspeed-static-loss-scale", "",
+            f"The config sets fp16.loss_scale={scale!r}, a static scale: DeepSpeed still skips "
+            "a step whose gradients overflow, but a gradient that underflows at this scale is "
+            "not rescued by raising it, so small updates vanish.",
+            "Set fp16.loss_scale to 0 (dynamic), or leave it out.",
+        )
+
+
+class DeepSpeedChecks(CheckBackend):
+    """`check(..., "deepspeed", config)`: the config is DeepSpeed's own (a dict, or a JSON or
+    hjson file; None: what `to_config(plan)` exports), its keys meaning what DeepSpeed says."""
+
+    name = "deepspeed"
+    keys = None
+
+    def options(self, config: Any) -> Any:
+        if config is not None:
+            read_config(config)  # a config DeepSpeed could not read at all is bad input
+        return config
+
+    def run(self, given: Subject, options: Any) -> Checked:
+        found = findings(given.plan, options)
+        if refused(found):
+            return Checked(found)  # it does not start: nothing is reduced
+        dsp = translate(given.plan, warn=False)
+        config, stage = given_config(dsp, options)
+        stored = {n: e.policy.storage for n, e in dsp.plan.items()
+                  if e.policy.storage is not None}
+        return Checked(found, reduced(dsp, config, stage), stored)
+
+
+CHECKS = DeepSpeedChecks()

@@ -1,0 +1,394 @@
+"""FSDP2 and FSDP1 export: one sharded unit per plan boundary, each with its mixed-precision
+policy.
+
+FSDP's mixed precision is per unit: `param_dtype` (the dtype parameters are unsharded in, so
+the compute dtype), `reduce_dtype` and `output_dtype`. What it does not do is cast at an fp32
+unit's exit back into the bf16 code around it, or leave an fp32 side input (a rotary table)
+alone. The plan's boundary casts (`apply`) do both, so these adapters apply the plan and then
+shard along its boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import nn
+
+from precision_annot._src.dtypes import dtype_name, widest
+from precision_annot._src.findings import listing
+from precision_annot._src.float8 import import_torchao
+from precision_annot._src.guards import require_plan
+from precision_annot._src.plan import PrecisionPlan, nearest, parent_name
+from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.selectors import Selector, matcher
+from precision_annot._src.wrappers import unwrap
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+__all__ = ["MIXED_FIX", "Unit", "fully_shard", "masters_as_shards", "mixed_message",
+           "mixed_precision", "mixed_units", "plan_name", "plan_units", "precompute_float8_scales",
+           "unit_names", "wrap_policy"]
+
+
+def unit_names(
+    plan: PrecisionPlan,
+    model: nn.Module | None = None,
+    units: Iterable[Selector] | None = None,
+    *,
+    merge_below: float | None = None,
+) -> list[str]:
+    """Names of the modules to shard as units, children before parents, the root last.
+
+    A unit is made at every boundary, wherever storage changes (FSDP flattens one dtype per
+    unit), wherever comm changes on a module that holds parameters (FSDP reduces one dtype per
+    unit), and at every module a selector in `units` picks (selectors as for `annotate`).
+    With `merge_below`, a boundary holding less than that share of the parameters, stored in
+    the dtype the unit around it is stored in, joins that unit instead: fewer collectives, but
+    the unit is then gathered in the widest compute dtype among its members.
+    """
+    chosen = _plan_units(plan)
+    selected = _selected_units(model, units)
+    chosen |= selected
+    if merge_below is not None:
+        _merge_small(plan, chosen, selected, merge_below)
+    order = [n for n in plan if n in chosen]
+    return sorted(order, key=lambda n: -(n.count(".") + 1 if n else 0))
+
+
+def _plan_units(plan: PrecisionPlan) -> set[str]:
+    """The units the plan needs: the root, every boundary, every change of storage, and
+    every change of comm on a module that holds parameters."""
+    chosen = {""}
+    for name, entry in plan.items():
+        if not name:
+            continue
+        parent = plan[parent_name(name)]
+        if (entry.boundary or entry.policy.storage != parent.policy.storage
+                or (entry.policy.comm != parent.policy.comm and entry.params)):
+            chosen.add(name)
+    return chosen
+
+
+def _selected_units(model: nn.Module | None, units: Iterable[Selector] | None) -> set[str]:
+    """The modules the user's `units` selectors pick; each selector must pick one."""
+    if units is None:
+        return set()
+    if model is None:
+        raise ValueError("unit_names: selecting units needs the model.")
+    named = list(model.named_modules())
+    selected: set[str] = set()
+    for selector in units:
+        match = matcher(selector)
+        hits = match.select(named, rule=f"fully_shard: units selector {match.label}")
+        if not hits:
+            raise ValueError(match.no_match(named, "fully_shard: units"))
+        selected.update(n for n, _ in hits)
+    return selected
+
+
+def _merge_small(plan: PrecisionPlan, chosen: set[str], selected: set[str],
+                 merge_below: float) -> None:
+    """Fold each unit the plan chose that holds under `merge_below` of the parameters into
+    the unit around it, innermost first, while the two hold one storage dtype together
+    (FSDP flattens one dtype per unit). Units the user selected stay."""
+    if (not isinstance(merge_below, (int, float)) or isinstance(merge_below, bool)
+            or not 0 < merge_below < 1):
+        raise ValueError(f"merge_below is a share of the parameters, between 0 and 1. "
+                         f"Received: merge_below={merge_below!r} (of type "
+                         f"{type(merge_below).__name__}); e.g. merge_below=0.01")
+    total = sum(e.params for e in plan.values()) or 1
+    owner_of = nearest(plan, chosen)
+    held: dict[str, int] = {}
+    stored: dict[str, set[str]] = {}
+    for n, e in plan.items():  # what each unit holds, and in which dtypes
+        unit = owner_of[n] or ""
+        held[unit] = held.get(unit, 0) + e.params
+        stored.setdefault(unit, set()).update(
+            dtype_name(k) for k, b in e.param_dtype_bytes.items() if b)
+    for name in sorted(chosen - selected - {""}, key=lambda n: -n.count(".")):
+        owner = parent_name(name)
+        while owner not in chosen:
+            owner = parent_name(owner)
+        together = stored.get(name, set()) | stored.get(owner, set())
+        if held.get(name, 0) < merge_below * total and len(together) <= 1:
+            chosen.discard(name)  # one dtype still: FSDP can flatten the merged unit
+            held[owner] = held.get(owner, 0) + held.pop(name, 0)
+            stored[owner] = together
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One FSDP unit of a plan.
+
+    Attributes:
+        name: the module sharded as the unit ("" for the root).
+        members: the modules whose parameters it holds.
+        params: those parameters' elements.
+        storage: the dtypes they are stored in (FSDP needs exactly one).
+        param_dtype: the dtype it is gathered in (None: its storage).
+        reduce_dtype: the dtype its gradients are reduced in (None: its storage).
+        output_dtype: the dtype its outputs leave in, from the plan's `output`.
+        holders: the members that hold parameters.
+    """
+
+    name: str
+    members: tuple[str, ...]
+    params: int
+    storage: frozenset[torch.dtype]
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    output_dtype: torch.dtype | None
+    holders: tuple[str, ...] = ()
+
+
+def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
+    """The units `names` make of the plan, in the order given: who is in each, and the dtypes
+    it is gathered and reduced in (the widest its members need)."""
+    owner = nearest(plan, set(names))
+    members: dict[str, list[str]] = {n: [] for n in names}
+    for name in plan:
+        members[owner[name] or ""].append(name)
+    return [_unit(plan, name, members[name]) for name in names]
+
+
+def _unit(plan: PrecisionPlan, name: str, members: list[str]) -> Unit:
+    """The unit at `name` holding `members`: gathered in the widest compute its holders need
+    (None where that is its storage), reduced in the widest comm."""
+    holders = [m for m in members if plan[m].params]
+    storage = frozenset(k for m in holders for k in plan[m].param_dtype_bytes)
+    floating = [d for d in storage if d.is_floating_point]
+    stored = floating[0] if len(floating) == 1 else plan[name].policy.storage
+    gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
+    return Unit(
+        name=name,
+        members=tuple(members),
+        params=sum(plan[m].params for m in holders),
+        storage=storage,
+        param_dtype=None if gather is None or gather == stored else gather,
+        reduce_dtype=(widest(plan[m].policy.grad_comm for m in holders)
+                      or plan[name].policy.grad_comm),
+        output_dtype=plan[name].policy.output,
+        holders=tuple(holders),
+    )
+
+
+def mixed_units(units: list[Unit], plan: PrecisionPlan) -> list[tuple[Unit, str]]:
+    """Units that would hold floating parameters of several dtypes (pytorch issue 156784),
+    described ("FSDP expects uniform original parameter dtype"; integer ones it shards alone)."""
+    out = []
+    for unit in units:
+        if len({d for d in unit.storage if d.is_floating_point}) > 1:
+            by_dtype: dict[str, list[str]] = {}
+            for m in unit.members:
+                for key in plan[m].param_dtype_bytes:
+                    if key.is_floating_point:
+                        by_dtype.setdefault(dtype_name(key), []).append(m)
+            detail = "; ".join(f"{d}: {ns}" for d, ns in by_dtype.items())
+            out.append((unit, detail))
+    return out
+
+
+MIXED_FIX = "Make each group its own unit with units=[...], or give them one storage dtype."
+
+
+def mixed_message(detail: str) -> str:
+    return (f"would hold parameters of several dtypes ({detail}), and FSDP flattens one dtype "
+            "per unit.")
+
+
+def _mp2(unit: Unit) -> MixedPrecisionPolicy:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=unit.param_dtype,
+        reduce_dtype=unit.reduce_dtype,
+        output_dtype=unit.output_dtype,
+        cast_forward_inputs=False,  # the plan's boundaries cast, honouring keep_dtype
+    )
+
+
+def fully_shard(
+    model: nn.Module,
+    plan: PrecisionPlan | None = None,
+    *,
+    units: Iterable[Selector] | None = None,
+    merge_below: float | None = None,
+    **fully_shard_kwargs: Any,
+) -> nn.Module:
+    """Apply the plan, then FSDP2-shard one unit per boundary (and per selected unit), root last.
+
+    Each unit gets `MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=comm,
+    output_dtype=output, cast_forward_inputs=False)`: inputs are cast by the plan's boundaries,
+    so `keep_dtype` arguments such as rotary tables keep their dtype. A module with a master
+    copy (`storage=bf16,master=fp32`) is sharded in the master's dtype and gathered in its
+    storage's: the fp32 shards are the masters, and `precision_annot.optimizer` (or any
+    optimizer) steps them; its `optim` states (torchao's low-bit ones included) live on the
+    shards.
+
+    Args:
+        model: the model, on its device, not yet sharded.
+        plan: the plan; resolved from `model` when None. (Default: None)
+        units: extra units, by the selectors `annotate` takes, e.g. `[Block]`. (Default: None)
+        merge_below: let boundaries holding less than this share of the parameters (stored
+            like the unit around them) share that unit: 3 collectives fewer per step each, for
+            gathering that unit in the widest compute dtype of its members. `check(model,
+            "fsdp")` says when it pays. (Default: None, every boundary its own unit)
+        **fully_shard_kwargs: passed to every `fully_shard` call (`mesh`,
+            `reshard_after_forward`, ...); `mp_policy` comes from the plan.
+
+    Returns:
+        `model`, sharded.
+    """
+    from torch.distributed.fsdp import fully_shard as _fully_shard
+
+    if "mp_policy" in fully_shard_kwargs:
+        raise ValueError(
+            "fully_shard: mp_policy comes from the plan; set compute/comm/output with "
+            "precision(...) instead. Received: mp_policy="
+            f"{fully_shard_kwargs['mp_policy']!r}"
+        )
+    model = unwrap(model)
+    plan = plan_of(model) if plan is None else plan
+    plan, gathered = masters_as_shards(plan)
+    _refuse_wide_grads(plan)
+    apply(model, plan)
+    shards = [dataclasses.replace(u, param_dtype=u.param_dtype or _gathered_in(u, gathered))
+              for u in plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))]
+    for unit, detail in mixed_units(shards, plan)[:1]:
+        raise ValueError(f"FSDP unit {unit.name or '(root)'!r} {mixed_message(detail)} "
+                         f"{MIXED_FIX}")
+    named = dict(model.named_modules())
+    for unit in shards:
+        _fully_shard(named[unit.name], mp_policy=_mp2(unit), **fully_shard_kwargs)
+    return model
+
+
+def _refuse_wide_grads(plan: PrecisionPlan) -> None:
+    """FSDP2 keeps each gradient shard in its parameter shard's dtype (and accumulates the
+    unsharded gradients of `set_requires_gradient_sync(False)` micro-batches in the unit's
+    reduce dtype): a `grad` wider than the shards cannot be kept. With a master it is: the
+    shards are then the fp32 masters and their gradients fp32."""
+    wide = [n for n, e in plan.items() if e.params and e.policy.accumulates]
+    if wide:
+        policy = plan[wide[0]].policy
+        grad, storage = dtype_name(cast(torch.dtype, policy.grad)), dtype_name(
+            cast(torch.dtype, policy.storage))
+        raise ValueError(
+            f"fully_shard: the plan accumulates gradients in {grad} over {storage} storage "
+            f"without a master for {len(wide)} module(s) ({listing(wide, 3)}), and FSDP2 keeps "
+            f"each gradient shard in its parameter shard's dtype ({storage}): the accumulation "
+            f"would be {storage}, silently. Plan master={grad} for them too (the shards are "
+            f"then the masters, and their gradients {grad}), or leave grad unset.")
+
+
+def masters_as_shards(plan: PrecisionPlan) -> tuple[PrecisionPlan, dict[str, torch.dtype]]:
+    """FSDP2 keeps each parameter's shard apart from the copy it gathers, so a master copy
+    needs no third tensor: a module with `master` wider than `storage` is sharded in the master
+    dtype and gathered in its storage dtype (`storage=bf16,master=fp32`: fp32 shards gathered
+    in bf16, the optimizer stepping the shards). Returns the plan FSDP runs and, per such
+    module, the dtype its parameters are gathered in."""
+    changed = {n: dataclasses.replace(e.policy, storage=cast(torch.dtype, e.policy.master))
+               for n, e in plan.items() if e.policy.copies_master}
+    if not changed:
+        return plan, {}
+    gathered = {n: plan[n].policy.storage for n in changed}
+    return plan.with_policies(changed), {n: d for n, d in gathered.items() if d is not None}
+
+
+def _gathered_in(unit: Unit, gathered: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The dtype a unit gathers in when its members' masters are its shards (the narrowest
+    storage among them: what their forwards were planned to see)."""
+    dtypes = {gathered[m] for m in unit.holders if m in gathered}
+    return next(iter(dtypes)) if len(dtypes) == 1 else None
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After each optimizer step, when modules with comm=fp8 are sharded by `fully_shard`:
+    compute the fp8 scales of all their weights in one all-reduce (torchao's
+    `precompute_float8_dynamic_scale_for_fsdp`), instead of one all-reduce per weight at its
+    next all-gather. The values are the same either way; it saves collectives.
+
+    Example:
+        >>> # loss.backward(); optimizer.step()
+        >>> # fsdp.precompute_float8_scales(model)
+    """
+    fsdp_utils = import_torchao("torchao.float8.fsdp_utils", "precompute_float8_scales")
+    fsdp_utils.precompute_float8_dynamic_scale_for_fsdp(unwrap(model))
+
+
+def _mp1(unit: Unit) -> MixedPrecision:
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(
+        param_dtype=unit.param_dtype,
+        reduce_dtype=unit.reduce_dtype,
+        buffer_dtype=None,
+        cast_forward_inputs=False,
+        cast_root_forward_inputs=False,
+    )
+
+
+def mixed_precision(plan: PrecisionPlan, *, merge_below: float | None = None) -> MixedPrecision:
+    """FSDP1's root `MixedPrecision` for the plan: param_dtype=compute, reduce_dtype=comm."""
+    require_plan(plan, "mixed_precision")
+    return _mp1(plan_units(plan, unit_names(plan, merge_below=merge_below))[-1])
+
+
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def plan_name(name: str) -> str:
+    """A module's name with the wrapper levels FSDP1 and activation checkpointing add left out."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+
+
+def wrap_policy(plan: PrecisionPlan, *, merge_below: float | None = None) -> CustomPolicy:
+    """FSDP1's auto-wrap policy: one unit per boundary or storage change, each with its
+    `MixedPrecision`. Call `apply(model, plan)` before wrapping, so boundaries cast.
+
+    Units are matched by qualified name in the model FSDP wraps, so the policy works on a copy
+    of the planned model, a second instance, or with a plan loaded from JSON.
+
+    Example:
+        >>> from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # doctest: +SKIP
+        >>> apply(model, plan)  # doctest: +SKIP
+        >>> FSDP(model, auto_wrap_policy=fsdp.wrap_policy(plan),  # doctest: +SKIP
+        ...      mixed_precision=fsdp.mixed_precision(plan))
+    """
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    require_plan(plan, "wrap_policy")
+    shards = {u.name: u for u in plan_units(plan, unit_names(plan, merge_below=merge_below))}
+    units = set(shards)
+
+    class PlanPolicy(CustomPolicy):
+        """Looks modules up by name in the root FSDP is given."""
+
+        def __init__(self) -> None:
+            self.names: dict[nn.Module, str] = {}
+            super().__init__(self.lookup)
+
+        def lookup(self, module: nn.Module) -> bool | dict[str, Any]:
+            name = self.names.get(module)
+            if name is None or name not in units:
+                return False
+            return {"mixed_precision": _mp1(shards[name])}
+
+        def _run_policy(self, root_module: nn.Module, ignored_modules: set[nn.Module],
+                        root_kwargs: dict[str, Any]) -> dict[nn.Module, dict[str, Any]]:
+            self.names = {m: plan_name(n) for n, m in root_module.named_modules()}
+            missing = sorted(units - set(self.names.values()))
+            if missing:
+                raise ValueError(
+                    f"wrap_policy: the plan ({plan.model_type or 'model'}) does not match the "
+                    f"model FSDP wraps ({type(root_module).__name__}): no module named "
+                    f"{', '.join(repr(n) for n in missing[:5])}."
+                )
+            return super()._run_policy(root_module, ignored_modules, root_kwargs)
+
+    return PlanPolicy()

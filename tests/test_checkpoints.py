@@ -1,0 +1,276 @@
+"""Loading a checkpoint into an applied model keeps the plan: every tensor in its planned dtype
+after `load_state_dict` (plain and `assign=True`) and `set_model_state_dict`, with a warning
+naming the tensors a checkpoint holds narrower than the plan keeps them. Judged against the
+same load written by hand (each tensor cast to its planned dtype)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from precision_annot import (
+    Finding,
+    PrecisionPlan,
+    applied_plan,
+    apply,
+    bf16,
+    check,
+    fp32,
+    precision,
+)
+from precision_annot.adapters.dcp import LoadPlanner
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+PLANNED = {"up.weight": bf16, "up.bias": bf16, "norm.weight": fp32, "norm.bias": fp32,
+           "router.weight": fp32, "router.bias": fp32, "down.weight": bf16, "down.bias": bf16}
+ISLANDS = ["norm.weight", "norm.bias", "router.weight", "router.bias"]
+
+
+class Net(nn.Module):
+    """A bf16 model with an fp32 norm and an fp32 router, as an MoE block keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.norm = precision(fp32)(nn.LayerNorm(16))
+        self.router = precision(fp32)(nn.Linear(16, 4))
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.up(x))
+        return self.down(h) * self.router(h).softmax(-1).sum(-1, keepdim=True)
+
+
+def saved(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A checkpoint of another instance, every tensor in `dtype` (norm weights off 1.0, so
+    that bf16 rounds them)."""
+    torch.manual_seed(1)
+    source = Net()
+    with torch.no_grad():
+        source.norm.weight.add_(torch.randn(16) * 0.1)
+    return {k: v.detach().to(dtype) for k, v in source.state_dict().items()}
+
+
+def by_hand(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the load should give: each saved tensor cast to its planned dtype."""
+    return {k: v.to(PLANNED[k]) for k, v in state.items()}
+
+
+def loaded(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_keeps_every_planned_dtype(assign: bool) -> None:
+    """0.4: assign=True put the checkpoint's bf16 tensors in the fp32 islands and its fp32
+    tensors in the bf16 layers (a warning said so; the plan was gone until apply again)."""
+    for dtype in (torch.float32, bf16):
+        model = apply(Net(), default="bf16-true")
+        state = saved(dtype)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.load_state_dict(state, assign=assign)
+        after = loaded(model)
+        assert {k: v.dtype for k, v in after.items()} == PLANNED
+        for key, value in by_hand(state).items():
+            assert torch.equal(after[key], value), key
+        said = [str(w.message) for w in caught]
+        if dtype == fp32:  # wider than the plan keeps anything: nothing is lost
+            assert said == []
+        else:  # the islands were saved in bf16: their precision was gone before this load
+            (message,) = said
+            assert message.startswith("load_state_dict: the checkpoint holds 4 tensor(s) "
+                                       "narrower than the plan keeps them (saved in bf16, "
+                                       "kept in fp32)")
+            assert all(repr(n) in message for n in ISLANDS)
+            assert not any(repr(n) in message for n in PLANNED if n not in ISLANDS)
+        out = model(torch.randn(4, 8, dtype=bf16))  # it runs as planned
+        assert out.dtype == bf16
+
+
+def test_assign_keeps_the_parameters_the_plan_guards() -> None:
+    """After assign=True the model holds new parameter objects; the step guard that refuses a
+    plain optimizer for a plan with masters knows them too."""
+    model = apply(Net(), default="bf16-true,master=fp32")
+    model.load_state_dict(saved(fp32), assign=True)
+    assert model.up.weight.dtype == bf16
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, 8, dtype=bf16)).float().sum().backward()
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): it updates parameter 'up.weight'"):
+        sgd.step()
+
+
+def test_set_model_state_dict_keeps_the_plan_and_names_what_was_lost() -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    model = apply(Net(), default="bf16-true")
+    state = saved(bf16)
+    with pytest.warns(UserWarning, match=r"4 tensor\(s\) narrower.*'norm.weight'"):
+        set_model_state_dict(model, state)
+    after = loaded(model)
+    assert {k: v.dtype for k, v in after.items()} == PLANNED
+    assert all(torch.equal(after[k], v) for k, v in by_hand(state).items())
+
+
+def test_a_load_into_a_submodule_prefix_and_a_wrapper_is_read_with_its_prefix() -> None:
+    """DDP-style and nested loads reach the applied root with a prefix: the names are the
+    root's own."""
+    outer = nn.Sequential(apply(Net(), default="bf16-true"))
+    with pytest.warns(UserWarning, match=r"'0.norm.weight'"):
+        outer.load_state_dict({f"0.{k}": v for k, v in saved(bf16).items()})
+    assert outer[0].norm.weight.dtype == fp32
+
+
+# -- check(..., "checkpoint"): what a load would do, read before loading ------------------------
+
+def masters_plan() -> tuple[nn.Module, PrecisionPlan]:
+    """bf16 weights with fp32 masters, an fp32 norm and an fp32 router: applied."""
+    model = apply(Net(), default="bf16-master")
+    plan = applied_plan(model)
+    assert plan is not None
+    return model, plan
+
+
+def app_state(model: nn.Module, masters: torch.dtype | None) -> dict[str, Any]:
+    """What a training checkpoint holds, the DCP way: the model's state dict, and, with
+    `masters`, the optimizer's state by parameter name with each master copy (the layout an
+    optimizer state dict has under DCP: state.<name>.<state>) in that dtype."""
+    out: dict[str, Any] = {"model": model.state_dict()}
+    if masters is not None:
+        out["optim"] = {"state": {n: {"master": p.detach().to(masters), "step": torch.tensor(1.0)}
+                                  for n, p in model.named_parameters()
+                                  if p.dtype == bf16}}
+    return out
+
+
+def codes(found: list[Finding]) -> list[tuple[str, str, str]]:
+    """(severity, code, the first tensor it names: the quoted name after the path)."""
+    return [(f.severity, f.code, re.findall(r"'([^']*)'", f.message)[1]) for f in found]
+
+
+def test_a_checkpoint_of_the_plan_itself_is_clean_in_every_format(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    model, plan = masters_plan()
+    state = app_state(model, fp32)
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"))
+    torch.save(state, tmp_path / "ckpt.pt")
+    torch.save({"state_dict": model.state_dict(), "epoch": 3}, tmp_path / "lightning.ckpt")
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    for path in ("dcp", "ckpt.pt"):
+        assert check(plan, "checkpoint", {"path": tmp_path / path}) == []
+    # the model's weights alone: clean but for the masters it does not hold
+    for path in ("lightning.ckpt", "model.safetensors"):
+        found = check(plan, "checkpoint", {"path": str(tmp_path / path)})
+        assert [(f.severity, f.code) for f in found] == [("warning", "checkpoint-no-masters")]
+        assert found[0].modules == ("up", "down")
+
+
+def test_a_bf16_checkpoint_names_every_narrowed_tensor_as_the_load_rounds_it(
+        tmp_path: Path) -> None:
+    """Every tensor saved in bf16, the masters too: the 4 island tensors and the 4 masters
+    are errors, each named; loading it gives what the errors say (the islands come back with
+    bf16's rounding, and the load's own warning names the same 4 tensors)."""
+    model, plan = masters_plan()
+    with torch.no_grad():
+        model.norm.weight.add_(torch.randn(16) * 0.1)
+    state = app_state(model, bf16)
+    state["model"] = {k: v.to(bf16) for k, v in state["model"].items()}
+    dcp.save(state, checkpoint_id=str(tmp_path))
+    found = check(plan, "checkpoint", {"path": tmp_path})
+    narrowed = sorted(name for severity, code, name in codes(found)
+                      if (severity, code) == ("error", "checkpoint-narrowed"))
+    assert narrowed == sorted([*ISLANDS, "up.weight (its master)", "up.bias (its master)",
+                               "down.weight (its master)", "down.bias (its master)"])
+    assert {f.severity for f in found} == {"error"}
+    # what the load does: the islands widened with bf16's rounding, named again
+    fresh, _ = masters_plan()
+    with pytest.warns(UserWarning, match="narrower") as said:
+        dcp.load({"model": fresh.state_dict()}, checkpoint_id=str(tmp_path),
+                 planner=LoadPlanner())
+    message = next(str(w.message) for w in said if "narrower" in str(w.message))
+    assert all(repr(f"model.{n}") in message for n in ISLANDS)
+    assert torch.equal(fresh.norm.weight, model.norm.weight.to(bf16).float())
+
+
+def test_missing_unexpected_and_reshaped_tensors_are_what_load_state_dict_refuses(
+        tmp_path: Path) -> None:
+    model, plan = masters_plan()
+    state = dict(model.state_dict())
+    del state["router.bias"]
+    state["extra.weight"] = torch.zeros(3)
+    state["down.weight"] = torch.zeros(8, 17, dtype=bf16)
+    torch.save(state, tmp_path / "other.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "other.pt"})
+    assert sorted(codes(found)) == [
+        ("error", "checkpoint-shape", "down.weight"),
+        ("warning", "checkpoint-missing", "router.bias"),
+        ("warning", "checkpoint-no-masters", "up.weight"),
+        ("warning", "checkpoint-unexpected", "extra.weight")]
+    fresh, _ = masters_plan()
+    with pytest.raises(RuntimeError) as refused:
+        fresh.load_state_dict(state)
+    for said in ("Missing key(s) in state_dict: \"router.bias\"",
+                 "Unexpected key(s) in state_dict: \"extra.weight\"",
+                 "size mismatch for down.weight"):
+        assert said in str(refused.value)
+
+
+def test_a_checkpoint_is_read_without_its_tensor_data(tmp_path: Path) -> None:
+    """The data is made unreadable (DCP's data files deleted, a safetensors file cut after its
+    header, a torch.save file's data records cut out): the dtypes are still read."""
+    import json
+    import struct
+    import zipfile
+
+    from safetensors.torch import save_file
+
+    model, plan = masters_plan()
+    bf16_state = {k: v.to(bf16) for k, v in model.state_dict().items()}
+    dcp.save(bf16_state, checkpoint_id=str(tmp_path / "dcp"))
+    for data in (tmp_path / "dcp").glob("*.distcp"):
+        data.unlink()
+    shards = {"model-1.safetensors": ["up.weight", "up.bias", "norm.weight", "norm.bias"],
+              "model-2.safetensors": ["router.weight", "router.bias", "down.weight",
+                                      "down.bias"]}
+    (tmp_path / "hf").mkdir()
+    for shard, keys in shards.items():
+        save_file({k: bf16_state[k] for k in keys}, str(tmp_path / "hf" / shard))
+        raw = (tmp_path / "hf" / shard).read_bytes()
+        (length,) = struct.unpack("<Q", raw[:8])
+        (tmp_path / "hf" / shard).write_bytes(raw[:8 + length])  # the header alone
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}))
+    torch.save(bf16_state, tmp_path / "full.pt")
+    with zipfile.ZipFile(tmp_path / "full.pt") as full, \
+            zipfile.ZipFile(tmp_path / "cut.pt", "w") as cut:
+        for item in full.infolist():
+            if "/data/" not in item.filename:
+                cut.writestr(item, full.read(item))
+    for path in ("dcp", "hf", "hf/model.safetensors.index.json", "cut.pt"):
+        found = check(plan, "checkpoint", {"path": tmp_path / path})
+        assert sorted(n for s, c, n in codes(found) if c == "checkpoint-narrowed") == sorted(
+            ISLANDS), path
+    with pytest.raises(Exception):  # noqa: B017  # the data itself is gone
+        torch.load(tmp_path / "cut.pt")
+
+
+def test_bad_checkpoint_configs_name_what_is_valid(tmp_path: Path) -> None:
+    _, plan = masters_plan()
+    with pytest.raises(ValueError, match=r"needs config=\{'path': \.\.\.\}"):
+        check(plan, "checkpoint")
+    with pytest.raises(ValueError, match=r"unknown key 'file'; valid: \['path'\]"):
+        check(plan, "checkpoint", {"file": "x"})
+    with pytest.raises(ValueError, match="no file or directory at"):
+        check(plan, "checkpoint", {"path": tmp_path / "gone"})
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="zip-format torch.save file"):
+        check(plan, "checkpoint", {"path": tmp_path / "notes.txt"})
