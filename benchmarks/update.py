@@ -7,16 +7,21 @@ the per-pair ratios (row / its baseline) and the median time per parameter. The 
 
 - torch's fused fp32 AdamW (`torch.optim.AdamW(fused=True).step()` on fp32 weights and fp32
   gradients): the baseline of the first table, 28 bytes moved per parameter;
-- the masters step (`update_kernels.adam`): bf16 weights with fp32 masters, reading the bf16
-  gradient and writing master, moments and the bf16 weight; also with fp32 gradients
-  (accumulated in fp32 by autograd) and with bf16 moments (`optim=bf16`);
+- the masters step through the real optimizer (`precision_annot.optimizer(model, AdamW,
+  ...).step()` over a model of those shapes with "bf16-true,master=fp32" applied), which runs
+  `update_kernels.adam`: bf16 weights with fp32 masters, reading the bf16 gradient and
+  writing master, moments and the bf16 weight; also the kernel called by hand, with fp32
+  gradients (`bf16-master`: accumulated in fp32 by autograd) and with bf16 moments
+  (`optim=bf16`);
 - the same layout composed by hand: every gradient upcast, torch's fused step on the masters,
   the masters copied into the bf16 weights;
 - DeepSpeed's CPU Adam (`DeepSpeedCPUAdam`, its AVX C++ step, JIT-built on first use) on fp32
   weights;
-- SGD with momentum over masters (`update_kernels.sgd`) against torch's fused fp32 SGD;
-- the 8-bit step (`update_kernels.lowbit_adam`) against torchao's `AdamW8bit` by hand on the
-  same layout (fp32 masters fed the upcast gradients, masters copied into the bf16 weights).
+- SGD with momentum over masters (the optimizer, and `update_kernels.sgd` by hand) against
+  torch's fused fp32 SGD;
+- the 8-bit step (the optimizer with "optim=8bit", compiled once per layout, and
+  `update_kernels.lowbit_adam` by hand) against torchao's `AdamW8bit` by hand on the same
+  layout (fp32 masters fed the upcast gradients, masters copied into the bf16 weights).
 
 `--gpt2` also times the first 8-bit step (compilation included) on GPT-2's 148 parameter shapes
 (124M parameters), ours and torchao's by hand, each in a fresh process with an empty inductor
@@ -39,7 +44,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
+import precision_annot as pa
 from precision_annot._src import update_kernels as kernels
 
 SHAPES = [(1024, 512), (1024,)] * 8
@@ -82,6 +89,23 @@ class Masters:
     def adam(self) -> None:
         kernels.adam(self.masters, self.grads, self.exp_avgs, self.exp_avg_sqs, [], self.steps,
                      decoupled=True, stored=self.weights, **HYPER)
+
+
+def model_of(spec: str, grad: torch.dtype) -> nn.Module:
+    """`SHAPES` as a model (8 Linear(512, 1024)) with the plan `spec` applied and a gradient
+    of dtype `grad` on each parameter."""
+    torch.manual_seed(0)
+    model = pa.apply(nn.Sequential(*[nn.Linear(512, 1024) for _ in range(8)]), default=spec)
+    for p, g in zip(model.parameters(), make(SHAPES, grad, 1, 1e-3), strict=True):
+        p.grad = g
+    return model
+
+
+def planned(spec: str, cls: Any = torch.optim.AdamW, grad: torch.dtype = torch.bfloat16,
+            **options: Any) -> Callable[[], Any]:
+    """The real optimizer's step: `precision_annot.optimizer(model, cls, ...).step()`."""
+    opt = pa.optimizer(model_of(spec, grad), cls, **options)
+    return opt.step  # type: ignore[no-any-return]
 
 
 def torch_fused(shapes: list[tuple[int, ...]], cls: Any = torch.optim.AdamW, **options: Any
@@ -246,14 +270,18 @@ def masters_table(pairs: int, deepspeed: bool) -> None:
         compare(torch_fused(SHAPES, **adamw_options()).step, base, pairs), n)
     row("torch's fused kernel alone (no optimizer Python)",
         compare(kernel_alone(torch_fused(SHAPES, **adamw_options())), base, pairs), n)
-    row("**masters step**: bf16 grads -> fp32 masters, moments, bf16 weights",
+    row("**masters step, `precision_annot.optimizer(model, AdamW).step()`**: bf16 grads -> "
+        "fp32 masters, moments, bf16 weights",
+        compare(planned("bf16-true,master=fp32", **adamw_options()), base, pairs), n)
+    row("the same, `update_kernels.adam` called by hand (no optimizer Python)",
         compare(Masters(SHAPES).adam, base, pairs), n)
     row("the same passes by hand, no Python between them",
         compare(chunks_by_hand(SHAPES), base, pairs), n)
-    row("masters step, fp32 grads (accumulated in fp32)",
-        compare(Masters(SHAPES, grad=torch.float32).adam, base, pairs), n)
-    row("masters step, bf16 moments (`optim=bf16`)",
-        compare(Masters(SHAPES, state=torch.bfloat16).adam, base, pairs), n)
+    row("masters step, fp32 grads (`bf16-master`: accumulated in fp32), optimizer",
+        compare(planned("bf16-master", grad=torch.float32, **adamw_options()), base, pairs), n)
+    row("masters step, bf16 moments (`optim=bf16`), optimizer",
+        compare(planned("bf16-true,master=fp32,optim=bf16", **adamw_options()), base, pairs),
+        n)
     row("composed by hand: upcast all, torch fused on masters, copy back",
         compare(composed(SHAPES), base, pairs), n)
     if deepspeed:
@@ -263,26 +291,34 @@ def masters_table(pairs: int, deepspeed: bool) -> None:
         else:
             row("DeepSpeed CPU Adam (fp32, its C++ step)", compare(ds, base, pairs), n)
     sgd_base = torch_fused(SHAPES, torch.optim.SGD, lr=0.01, momentum=0.9).step
-    row("SGD momentum over masters / torch fused fp32 SGD momentum",
-        compare(sgd_masters(SHAPES), sgd_base, pairs), n)
+    row("SGD momentum over masters, optimizer / torch fused fp32 SGD momentum",
+        compare(planned("bf16-true,master=fp32", torch.optim.SGD, lr=0.01, momentum=0.9),
+                sgd_base, pairs), n)
+    row("the same, `update_kernels.sgd` by hand", compare(sgd_masters(SHAPES), sgd_base, pairs),
+        n)
 
 
 def lowbit_table(pairs: int) -> None:
     n = sum(torch.Size(s).numel() for s in SHAPES)
-    ours, theirs = lowbit_ours(SHAPES), lowbit_by_hand(SHAPES)
-    for label, fn in (("ours", ours), ("torchao AdamW8bit by hand", theirs)):
+    ours = planned("bf16-true,master=fp32,optim=8bit", **adamw_options())
+    alone, theirs = lowbit_ours(SHAPES), lowbit_by_hand(SHAPES)
+    for label, fn in (("ours, the optimizer", ours), ("ours, lowbit_adam by hand", alone),
+                      ("torchao AdamW8bit by hand", theirs)):
         start = time.perf_counter()
         fn()
         print(f"  (first 8-bit step, {label}: {time.perf_counter() - start:.1f} s)")
     ratio, mine, hand = compare(ours, theirs, pairs)
+    ratio_alone, mine_alone, _ = compare(alone, theirs, pairs)
     base = torch_fused(SHAPES, **adamw_options()).step
     fp32 = compare(base, base, 1)[1]
     print("\n| 8-bit step (fp32 masters, bf16 grads and weights) | ns/param | "
           "/ torchao by hand | / torch fused fp32 |")
     print("|---|---|---|---|")
     print(f"| torchao AdamW8bit by hand | {hand / n * 1e9:.2f} | 1 | {hand / fp32:.1f} |")
-    print(f"| **ours** (`lowbit_adam`) | {mine / n * 1e9:.2f} | **{ratio:.3f}** | "
-          f"{mine / fp32:.1f} |")
+    print(f"| **ours, `precision_annot.optimizer(..., AdamW).step()`** | {mine / n * 1e9:.2f} | "
+          f"**{ratio:.3f}** | {mine / fp32:.1f} |")
+    print(f"| ours, `update_kernels.lowbit_adam` by hand | {mine_alone / n * 1e9:.2f} | "
+          f"{ratio_alone:.3f} | {mine_alone / fp32:.1f} |")
 
 
 _FIRST_STEP = """

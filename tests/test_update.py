@@ -90,11 +90,11 @@ def test_the_fields_are_inherited_round_trip_in_json_and_show_in_the_table() -> 
 # -- the optimizer, against the update written by hand -----------------------------------------
 
 def apex_o2(model: nn.Module, steps: int, *, lr: float = 3e-3, clip: float | None = None,
-            schedule: bool = False) -> list[torch.Tensor]:
-    """Apex O2, by hand: bf16 model, fp32 masters, gradients upcast, AdamW steps the masters,
-    masters copied back rounded."""
+            schedule: bool = False, **kw: Any) -> list[torch.Tensor]:
+    """Apex O2, by hand: bf16 model, fp32 masters, gradients upcast, AdamW (with `kw`) steps
+    the masters, masters copied back rounded."""
     masters = [p.detach().float().clone() for p in model.parameters()]
-    inner = torch.optim.AdamW(masters, lr=lr, weight_decay=0.1)
+    inner = torch.optim.AdamW(masters, lr=lr, weight_decay=0.1, **kw)
     scheduler = torch.optim.lr_scheduler.StepLR(inner, 2, 0.5) if schedule else None
     for step in range(steps):
         model.zero_grad(set_to_none=True)
@@ -129,12 +129,17 @@ def planned(model: nn.Module, steps: int, *, lr: float = 3e-3, clip: float | Non
 
 @pytest.mark.parametrize("options", [{}, {"clip": 0.5, "schedule": True}],
                          ids=["plain", "clip-and-schedule"])
-def test_master_fp32_over_bf16_equals_the_apex_o2_loop_bit_for_bit(options: dict[str, Any]
-                                                                    ) -> None:
+@pytest.mark.parametrize(("ours_kw", "hand_kw"), [
+    ({}, {"fused": True}), ({"fused": True}, {"fused": True}), ({"foreach": False}, {}),
+    ({"foreach": True}, {"foreach": True})], ids=["default", "fused", "for-loop", "foreach"])
+def test_master_fp32_over_bf16_equals_the_apex_o2_loop_bit_for_bit(
+        options: dict[str, Any], ours_kw: dict[str, Any], hand_kw: dict[str, Any]) -> None:
+    """By default (and with fused=True) the one-pass kernel: torch's fused AdamW over the
+    masters, bit for bit; an explicit foreach= runs the class's own step, as asked."""
     ours = pa.apply(mlp(), default="bf16-true,master=fp32")
     hand = pa.apply(mlp(), default="bf16")
-    opt = planned(ours, 6, **options)
-    masters = apex_o2(hand, 6, **options)
+    opt = planned(ours, 6, **options, **ours_kw)
+    masters = apex_o2(hand, 6, **options, **hand_kw)
     for (name, p), q, m in zip(ours.named_parameters(), hand.parameters(), masters,
                                strict=True):
         assert p.dtype == bf16 and torch.equal(p, q), name
@@ -259,7 +264,7 @@ def test_grad_fp32_is_the_gradient_the_step_reads() -> None:
         p.grad_dtype = fp32
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
     masters = [p.detach().float().clone() for p in hand.parameters()]
-    inner = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
+    inner = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1, fused=True)
     for step in range(3):
         opt.zero_grad()
         hand.zero_grad()

@@ -13,9 +13,10 @@ take them; a gradient stored narrower than the compute dtype may have any layout
 
 - `adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
   eps, weight_decay, decoupled, amsgrad=False, maximize=False, stored=None, grad_scale=None,
-  found_inf=None, chunk=None)`: one Adam (`decoupled=False`) or AdamW (`decoupled=True`) step
-  through torch's fused kernel (`torch._fused_adam_` / `_fused_adamw_`), bit for bit what
-  `torch.optim.Adam(W)(fused=True)` does to `params` given the same gradients upcast.
+  found_inf=None, chunk=None, cache=None)`: one Adam (`decoupled=False`) or AdamW
+  (`decoupled=True`) step through torch's fused kernel (`torch._fused_adam_` /
+  `_fused_adamw_`), bit for bit what `torch.optim.Adam(W)(fused=True)` does to `params`
+  given the same gradients upcast.
   `params` are what is updated (the fp32 masters, or the parameters themselves when there is
   no master); `grads` as stored (bf16, fp16 or fp32); `exp_avgs`, `exp_avg_sqs` (and
   `max_exp_avg_sqs` when `amsgrad`, else `[]`) in the dtype of `params` or narrower (a bf16
@@ -27,11 +28,14 @@ take them; a gradient stored narrower than the compute dtype may have any layout
   is stored narrower than `params` (the gradient, a state, the stored weight), the step runs
   over chunks of `chunk` elements (default `CHUNK`; a parameter is split, small ones are
   grouped), widening each chunk into a scratch buffer and narrowing it back after: no
-  full-size temporary is made.
+  full-size temporary is made. `cache`, a dict the caller keeps between steps (one per list
+  of parameters), keeps what a step works out from the tensors but the gradients (the
+  loops by device and dtype, each tensor's pieces): reused while every one of them is the
+  same tensor object, so that a step cuts only the gradients.
 - `sgd(params, grads, momentum_buffers, *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-  nesterov=False, maximize=False, stored=None, grad_scale=None, found_inf=None, chunk=None)`:
-  the same for SGD (`torch._fused_sgd_`); `momentum_buffers` holds a tensor or None per
-  parameter; when every entry is None (the first step) it is filled in place with new
+  nesterov=False, maximize=False, stored=None, grad_scale=None, found_inf=None, chunk=None,
+  cache=None)`: the same for SGD (`torch._fused_sgd_`); `momentum_buffers` holds a tensor
+  or None per parameter; when every entry is None (the first step) it is filled in place with new
   buffers in the dtype of `params`, as `torch.optim.SGD(fused=True)` does.
 - `lowbit_state(p, state, signed, block_size=None)`: a zero optimizer state for `p` in
   torchao's format (`state` is "8bit", "4bit" or "fp8": torchao's `OptimState8bit`,
@@ -40,12 +44,13 @@ take them; a gradient stored narrower than the compute dtype may have any layout
   the first moment, False for the second.
 - `lowbit_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1,
   beta2, eps, weight_decay, decoupled, maximize=False, stored=None, stochastic=False,
-  grad_scale=None, found_inf=None)`: torchao's Adam/AdamW update (`single_param_adam`'s
-  math, bit for bit what `torchao.optim.AdamW8bit` by hand gives) over states made by
-  `lowbit_state` (or any float tensors), compiled once per layout (state format, flags,
-  dtypes) and reused for every shape: one `torch.compile` per layout, not per shape. `params`
-  are fp32 masters or the parameters; `stored` as in `adam`; `stochastic` rounds a bf16
-  `params` stochastically (torchao's `bf16_stochastic_round`).
+  grad_scale=None, found_inf=None, compiled=True)`: torchao's Adam/AdamW update
+  (`single_param_adam`'s math, bit for bit what `torchao.optim.AdamW8bit` by hand gives)
+  over states made by `lowbit_state` (or any float tensors), compiled once per layout
+  (state format, flags, dtypes) and reused for every shape: one `torch.compile` per
+  layout, not per shape (`compiled=False` runs the same operations eagerly: no compile,
+  many passes). `params` are fp32 masters or the parameters; `stored` as in `adam`;
+  `stochastic` rounds a bf16 `params` stochastically (torchao's `bf16_stochastic_round`).
 - `fused_available(device)`: whether torch has fused kernels for that device: `adam` and
   `sgd` use them on every device (a CUDA device runs torch's fused CUDA kernel, chunked only
   to bound the scratch memory), and refuse a device without them.
@@ -58,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -218,24 +224,70 @@ def _layout(shapes: tuple[torch.Size, ...], chunk: int) -> _Layout:
     return layout
 
 
-def _run(roles: dict[str, list[Tensor]], written: Sequence[str], dtype: torch.dtype,
-         device: torch.device, chunk: int | None, call: _Call) -> None:
-    """`call` over the tensors of one compute dtype, by role ("params" first, then the others
-    in the order `call` reads them; a role may be empty; "steps" holds one tensor a parameter,
-    given to each of its pieces): at once when every tensor is stored in `dtype` and nothing
-    is written to a `stored` copy, else a chunk at a time, the roles stored narrower widened
-    into scratch views before each call and the written ones narrowed back after it."""
-    names = list(roles)
-    narrow = [name not in ("stored", "steps") and any(t.dtype != dtype for t in roles[name])
-              for name in names]
-    if not any(narrow) and not roles.get("stored"):
-        call(list(roles.values()))
-        return
-    layout = _layout(tuple(p.shape for p in roles["params"]), _chunk_for(device, chunk))
-    pieces = [layout.pieces(roles[name], name == "steps") if roles[name] else []
-              for name in names]
-    scratch = {r: layout.scratch(device, dtype, r) for r, n in enumerate(narrow) if n}
-    _chunks(layout, pieces, scratch, [r for r in scratch if names[r] in written], call)
+class _Loop:
+    """One fused loop of a step: the parameters of one device and compute dtype (the widest of
+    a parameter's tensors), their tensors by role ("params" first, then the others in the order
+    the fused call reads them; "steps" holds one tensor a parameter, given to each of its
+    pieces; a DTensor's local shard), and, once it has run in chunks, each role's pieces. Made
+    once per list of tensors: a caller's `cache` keeps it across steps, so that a step cuts
+    only the gradients (which it never keeps: a gradient set to None is freed)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, index: list[int],
+                 roles: dict[str, list[Tensor]], chunk: int | None, distributed: bool) -> None:
+        self.distributed = distributed
+        self.device = device
+        self.dtype = dtype
+        self.index = index
+        self.roles = {name: ([] if name == "grads" else tensors)
+                      for name, tensors in roles.items()}
+        self.chunk = chunk
+        self.narrow = {name: name not in ("stored", "steps", "grads") and any(
+            t.dtype != dtype for t in tensors) for name, tensors in self.roles.items()}
+        self.layout: _Layout | None = None
+        self.pieces: dict[str, list[Tensor]] = {}
+
+    def grads_of(self, grads: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
+        """This loop's gradients, local shards where DTensors, checked as `_prepare` checks
+        them (one stored in the compute dtype is cut into pieces: it must be contiguous)."""
+        mine = [grads[i] for i in self.index] if len(self.index) != len(grads) else list(grads)
+        if self.distributed:
+            mine = _local(mine, [params[i] for i in self.index], "grads", self.index)
+        dtype = self.dtype
+        for k, g in enumerate(mine):
+            if g.dtype == dtype and not g.is_contiguous():
+                _flat(g, f"grads[{self.index[k]}]")
+        return mine
+
+    def run(self, grads: list[Tensor], written: Sequence[str], call: _Call) -> None:
+        """`call` over the loop's tensors: at once when every tensor is stored in the compute
+        dtype and nothing is written to a `stored` copy, else a chunk at a time, the roles
+        stored narrower widened into scratch views before each call and the written ones
+        narrowed back after it."""
+        roles = {**self.roles, "grads": grads}
+        narrow_grads = any(g.dtype != self.dtype for g in grads)
+        if not narrow_grads and not any(self.narrow.values()) and not roles.get("stored"):
+            call(list(roles.values()))
+            return
+        layout = self.layout
+        if layout is None:
+            layout = self.layout = _layout(tuple(p.shape for p in roles["params"]),
+                                           _chunk_for(self.device, self.chunk))
+        names = list(roles)
+        pieces = [self._pieces(layout, name, roles[name]) for name in names]
+        narrow = [narrow_grads if name == "grads" else self.narrow[name] for name in names]
+        scratch = {r: layout.scratch(self.device, self.dtype, r)
+                   for r, n in enumerate(narrow) if n}
+        _chunks(layout, pieces, scratch, [r for r in scratch if names[r] in written], call)
+
+    def _pieces(self, layout: _Layout, name: str, tensors: list[Tensor]) -> list[Tensor]:
+        if not tensors:
+            return []
+        if name == "grads":
+            return layout.pieces(tensors)
+        held = self.pieces.get(name)
+        if held is None:
+            held = self.pieces[name] = layout.pieces(tensors, name == "steps")
+        return held
 
 
 def _chunks(layout: _Layout, pieces: list[list[Tensor]], scratch: dict[int, list[list[Tensor]]],
@@ -319,7 +371,7 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
          eps: float, weight_decay: float, decoupled: bool, amsgrad: bool = False,
          maximize: bool = False, stored: Sequence[Tensor] | None = None,
          grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
-         chunk: int | None = None) -> None:
+         chunk: int | None = None, cache: dict[str, Any] | None = None) -> None:
     """One Adam (AdamW when `decoupled`) step through torch's fused kernel: see the module's
     docstring."""
     _check(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
@@ -330,24 +382,22 @@ def adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[T
     if not params or _skipped(found_inf):
         return
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    plans = _prepare({"params": params, "grads": grads, "exp_avgs": exp_avgs,
-                      "exp_avg_sqs": exp_avg_sqs,
-                      "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None, "stored": stored},
-                     "the Adam step", chunk)
+    loops = _loops(cache, {"params": params, "grads": grads, "exp_avgs": exp_avgs,
+                           "exp_avg_sqs": exp_avg_sqs,
+                           "max_exp_avg_sqs": max_exp_avg_sqs if amsgrad else None,
+                           "stored": stored, "steps": steps},
+                   "the Adam step", chunk, (amsgrad, chunk))
     torch._foreach_add_(list(steps), 1)
-    for device, dtype, index, roles in plans:
-        roles["steps"] = [steps[i] for i in index]
 
-        def call(lists: list[list[Tensor]]) -> None:
-            fused(lists[0], lists[1], lists[2], lists[3], lists[4], lists[6], lr=lr,
-                  beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                  amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
-                  found_inf=found_inf)
-            if lists[5]:
-                torch._foreach_copy_(lists[5], lists[0])
+    def call(lists: list[list[Tensor]]) -> None:
+        fused(lists[0], lists[1], lists[2], lists[3], lists[4], lists[6], lr=lr, beta1=beta1,
+              beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=amsgrad,
+              maximize=maximize, grad_scale=grad_scale, found_inf=found_inf)
+        if lists[5]:
+            torch._foreach_copy_(lists[5], lists[0])
 
-        _run(roles, ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"), dtype, device,
-             chunk, call)
+    for loop, loop_grads in loops:
+        loop.run(loop_grads, ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"), call)
     if found_inf is not None:
         torch._foreach_sub_(list(steps), [found_inf] * len(steps))
 
@@ -382,31 +432,60 @@ def _local(tensors: list[Tensor], params: list[Tensor], name: str, index: list[i
     return out
 
 
-#: one fused loop: its device, compute dtype, parameter indices and tensors by role
-_Plan = tuple[torch.device, torch.dtype, list[int], dict[str, list[Tensor]]]
-
-
 def _prepare(lists: dict[str, Sequence[Tensor] | None], what: str, chunk: int | None
-             ) -> list[_Plan]:
+             ) -> list[_Loop]:
     """The fused loops of one step, by device and compute dtype, after checking everything a
     loop would refuse halfway (so that a refused step changes nothing)."""
     if chunk is not None:
         _chunk_for(torch.device("cpu"), chunk)
-    state = [lists[name] for name in lists if name not in ("params", "stored")]
-    plans: list[_Plan] = []
+    state = [lists[name] for name in lists if name not in ("params", "stored", "steps")]
+    loops: list[_Loop] = []
     for (device, dtype), index in _groups(lists["params"] or [], *state).items():
         _require_fused(device, what)
         params = _pick(lists["params"], index)
         roles = {name: _pick(tensors, index) for name, tensors in lists.items()}
-        if _distributed(params):
-            roles = {name: _local(tensors, params, name, index)
+        distributed = _distributed(params)
+        if distributed:
+            roles = {name: (tensors if name == "steps" else _local(tensors, params, name, index))
                      for name, tensors in roles.items()}
         for name, tensors in roles.items():
             for k, t in enumerate(tensors):
-                if not t.is_contiguous() and (name != "grads" or t.dtype == dtype):
+                if name != "steps" and not t.is_contiguous() and (
+                        name != "grads" or t.dtype == dtype):
                     _flat(t, f"{name}[{index[k]}]")
-        plans.append((device, dtype, index, roles))
-    return plans
+        loops.append(_Loop(device, dtype, index, roles, chunk, distributed))
+    return loops
+
+
+def _same(held: dict[str, list[Tensor]], lists: dict[str, Sequence[Tensor] | None]) -> bool:
+    """Whether every role but the gradients holds the very tensors it held."""
+    for name, tensors in lists.items():
+        if name == "grads":
+            continue
+        old = held.get(name, [])
+        new = tensors or []
+        if len(old) != len(new) or not all(map(operator.is_, old, new)):
+            return False
+    return True
+
+
+def _loops(cache: dict[str, Any] | None, lists: dict[str, Sequence[Tensor] | None], what: str,
+           chunk: int | None, key: tuple[Any, ...]) -> list[tuple[_Loop, list[Tensor]]]:
+    """The fused loops of this step with their gradients: made by `_prepare`, or taken from
+    `cache` (a dict the caller keeps between steps) when every tensor but the gradients is the
+    one it held and the gradients' dtypes are as they were."""
+    grads = lists["grads"] or []
+    params = lists["params"] or []
+    dtypes = tuple(g.dtype for g in grads)
+    held = None if cache is None else cache.get(what)
+    if held is not None and held[0] == (key, dtypes) and _same(held[1], lists):
+        loops: list[_Loop] = held[2]
+        return [(loop, loop.grads_of(grads, params)) for loop in loops]
+    loops = _prepare(lists, what, chunk)
+    if cache is not None:
+        cache[what] = ((key, dtypes), {n: list(t) for n, t in lists.items()
+                                       if n != "grads" and t}, loops)
+    return [(loop, loop.grads_of(grads, params)) for loop in loops]
 
 
 def _momentum(params: Sequence[Tensor], momentum_buffers: list[Tensor | None],
@@ -431,28 +510,29 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
         dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
         maximize: bool = False, stored: Sequence[Tensor] | None = None,
         grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
-        chunk: int | None = None) -> None:
+        chunk: int | None = None, cache: dict[str, Any] | None = None) -> None:
     """One SGD step through torch's fused kernel: see the module's docstring."""
     _check(params, grads=grads, momentum_buffers=momentum_buffers if momentum else None,
            stored=stored)
     if not params or _skipped(found_inf):
         return
     first, buffers = _momentum(params, momentum_buffers, momentum)
-    plans = _prepare({"params": params, "grads": grads, "momentum_buffers": buffers,
-                      "stored": stored}, "the SGD step", chunk)
+    loops = _loops(None if first else cache,
+                   {"params": params, "grads": grads, "momentum_buffers": buffers,
+                    "stored": stored}, "the SGD step", chunk, (chunk,))
     if first:
         momentum_buffers[:] = buffers
-    for device, dtype, _, roles in plans:
 
-        def call(lists: list[list[Tensor]]) -> None:
-            torch._fused_sgd_(lists[0], lists[1], lists[2], weight_decay=weight_decay,
-                              momentum=momentum, lr=lr, dampening=dampening,
-                              nesterov=nesterov, maximize=maximize, is_first_step=first,
-                              grad_scale=grad_scale, found_inf=found_inf)
-            if lists[3]:
-                torch._foreach_copy_(lists[3], lists[0])
+    def call(lists: list[list[Tensor]]) -> None:
+        torch._fused_sgd_(lists[0], lists[1], lists[2], weight_decay=weight_decay,
+                          momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                          maximize=maximize, is_first_step=first, grad_scale=grad_scale,
+                          found_inf=found_inf)
+        if lists[3]:
+            torch._foreach_copy_(lists[3], lists[0])
 
-        _run(roles, ("params", "momentum_buffers"), dtype, device, chunk, call)
+    for loop, loop_grads in loops:
+        loop.run(loop_grads, ("params", "momentum_buffers"), call)
 
 
 # --- low-bit states (torchao) -----------------------------------------------------------------
@@ -700,9 +780,10 @@ def lowbit_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
                 steps: Sequence[Tensor], *, lr: float | Tensor, beta1: float, beta2: float,
                 eps: float, weight_decay: float, decoupled: bool, maximize: bool = False,
                 stored: Sequence[Tensor] | None = None, stochastic: bool = False,
-                grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> None:
+                grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
+                compiled: bool = True) -> None:
     """torchao's Adam/AdamW update over low-bit (or any float) states, compiled once per
-    layout: see the module's docstring."""
+    layout (`compiled=False`: the same operations run eagerly): see the module's docstring."""
     _check(params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
            max_exp_avg_sqs=max_exp_avg_sqs, stored=stored)
     if not params or (found_inf is not None and bool(found_inf.item())):
@@ -720,12 +801,12 @@ def lowbit_adam(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
             _lowbit_one(i, row[0], row[1], steps[i], row[2:4 + bool(max_exp_avg_sqs)],
                         row[-1] if stored else None,
                         (lr_t, beta1, beta2, weight_decay, eps, grad_scale),
-                        (*flags, stochastic and p.dtype == torch.bfloat16))
+                        (*flags, stochastic and p.dtype == torch.bfloat16), compiled)
 
 
 def _lowbit_one(i: int, p: Tensor, grad: Tensor, step: Tensor, states: list[Tensor],
-                stored: Tensor | None, scalars: tuple[Any, ...], flags: tuple[bool, ...]
-                ) -> None:
+                stored: Tensor | None, scalars: tuple[Any, ...], flags: tuple[bool, ...],
+                compiled: bool) -> None:
     """One parameter's step: its tensors viewed as blocks, the number of blocks dynamic."""
     block = _block(states)
     if p.numel() % block:
@@ -735,6 +816,9 @@ def _lowbit_one(i: int, p: Tensor, grad: Tensor, step: Tensor, states: list[Tens
     flat = [None if t is None else _flat(t, f"{name}[{i}]").view(-1, block) if block > 1
             else _flat(t, f"{name}[{i}]") for name, t in (("params", p), ("grads", grad),
                                                            ("stored", stored))]
-    _dynamic([*flat, *(t for _, ts in parts for t in ts[:2])])
-    _kernel()(flat[0], flat[1], step, parts[0], parts[1], parts[2] if len(parts) > 2 else None,
+    kernel: Callable[..., None] = _lowbit_kernel
+    if compiled:
+        _dynamic([*flat, *(t for _, ts in parts for t in ts[:2])])
+        kernel = _kernel()
+    kernel(flat[0], flat[1], step, parts[0], parts[1], parts[2] if len(parts) > 2 else None,
               *scalars, flat[2], flags)

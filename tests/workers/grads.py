@@ -51,7 +51,9 @@ class HandLoop:
         self.params = list(model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
         self.sums: list[torch.Tensor | None] = [None] * len(self.params)
-        self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+        # fused: what precision_annot.optimizer's AdamW runs over the masters, bit for bit
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay,
+                                       fused=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch: its gradient, in the model's dtype, added into the fp32 sums."""

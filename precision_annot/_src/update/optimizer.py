@@ -11,6 +11,7 @@ step (step.py) presents each parameter to AdamW's own step as its rule says, and
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -22,9 +23,10 @@ from torch.optim import Optimizer
 
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.guards import require_module
-from precision_annot._src.update import formats
+from precision_annot._src.update import engines, formats
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, fields_of
 from precision_annot._src.update.step import (
+    family,
     items_of,
     refusal,
     rule_of,
@@ -36,7 +38,7 @@ __all__ = ["PlanOptimizer", "optimizer", "planned_class", "state_bytes"]
 
 #: attributes a copy or a pickle leaves out: hooks (as torch does), and what a step rebuilds
 _TRANSIENT = ("_optimizer_", "_precision_annot_layout", "_precision_annot_presented",
-              "_precision_annot_loading", "_precision_annot_items")
+              "_precision_annot_loading", "_precision_annot_items", "_precision_annot_cache")
 
 
 class PlanOptimizer(Optimizer):
@@ -57,7 +59,7 @@ class PlanOptimizer(Optimizer):
     _precision_annot_base: type[Optimizer] = Optimizer
     _precision_annot_fields: dict[torch.Tensor, UpdateFields]
     _precision_annot_names: dict[torch.Tensor, str]
-    _precision_annot_compile: bool
+    _precision_annot_compile: bool | None
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The class's own step, each parameter presented as its rule says."""
@@ -87,10 +89,38 @@ class PlanOptimizer(Optimizer):
         """How the next step updates `param` (see `UpdateRule`)."""
         return rule_of(self, param)[0]
 
+    @property
+    def state(self) -> defaultdict[Any, Any]:
+        """torch's per-parameter state (see `_State`)."""
+        held = self.__dict__["state"]
+        if type(held) is not _State:
+            held = self.__dict__["state"] = _State(self, held)
+        return held
+
+    @state.setter
+    def state(self, value: defaultdict[Any, Any]) -> None:
+        self.__dict__["state"] = value
+
     def state_dict(self) -> dict[str, Any]:
         """torch's `state_dict` (`state` by parameter index, `param_groups`), with torchao's
-        low-bit states written as their plain inner tensors, so any `torch.load` reads it."""
+        low-bit states written as their plain inner tensors, so any `torch.load` reads it.
+
+        For Adam, AdamW and SGD it holds every trainable parameter's state, one not stepped
+        yet as its first step will start from (its master from the parameter, zero moments,
+        step 0), so that `torch.distributed.checkpoint` finds the state initialised: it then
+        needs no dummy step (which assigns each parameter a zero gradient of its own dtype,
+        refused where `grad=fp32` set an fp32 `grad_dtype`), and a checkpoint's tensors have
+        a place to load into."""
         saved: dict[str, Any] = super().state_dict()
+        name = family(type(self)._precision_annot_base)
+        if name in engines.FRESH:
+            index = 0
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and not self.state.get(p) and index not in saved["state"]:
+                        saved["state"][index] = engines.fresh_state(name, p, self.rule(p),
+                                                                    group)
+                    index += 1
         return {**saved, "state": formats.portable(saved["state"])}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -138,7 +168,7 @@ class PlanOptimizer(Optimizer):
         state: dict[str, Any] = {k: v for k, v in self.__dict__.items()
                                  if not k.startswith(_TRANSIENT)}
         state.update(super().__getstate__())
-        state["state"] = formats.portable(state["state"])
+        state["state"] = _plain_state(formats.portable(state["state"]))
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -159,6 +189,37 @@ class PlanOptimizer(Optimizer):
             layouts[item.rule.describe()] = layouts.get(item.rule.describe(), 0) + 1
         plan = "; ".join(f"{n} parameter(s) {k}" for k, n in layouts.items())
         return f"{super().__repr__()}\nupdated by precision_annot: {plan or 'nothing'}"
+
+
+class _State(defaultdict):  # type: ignore[type-arg]
+    """A planned optimizer's `state`: torch's defaultdict of per-parameter states, true (as
+    `torch.distributed.checkpoint` asks, "is the state initialised?") also while empty when
+    its `state_dict()` holds every parameter's first state (Adam, AdamW, SGD). Copied or
+    pickled, a plain defaultdict."""
+
+    def __init__(self, owner: PlanOptimizer, data: Any = ()) -> None:
+        super().__init__(dict, data)
+        self._owner = weakref.ref(owner)
+
+    def __bool__(self) -> bool:
+        if dict.__len__(self):
+            return True
+        owner = self._owner()
+        return owner is not None and family(
+            type(owner)._precision_annot_base) in engines.FRESH
+
+    def __reduce__(self) -> Any:
+        return (_plain_state, (dict(self),))
+
+    def __copy__(self) -> Any:
+        return _plain_state(dict(self))
+
+    def copy(self) -> Any:
+        return _plain_state(dict(self))
+
+
+def _plain_state(data: dict[Any, Any]) -> defaultdict[Any, Any]:
+    return defaultdict(dict, data)
 
 
 _CLASSES: dict[type[Optimizer], type[PlanOptimizer]] = {}
@@ -204,6 +265,7 @@ def _rebuild_state(opt: PlanOptimizer, given: dict[str, Any]) -> None:
                                name or f"#{key}", narrowed)
     opt.__setstate__({"state": state, "param_groups": opt.param_groups})
     opt.__dict__.pop("_precision_annot_layout", None)
+    opt.__dict__.pop("_precision_annot_cache", None)  # (it holds the states loaded over)
     if narrowed:
         warnings.warn(
             f"load_state_dict: the checkpoint holds {len(narrowed)} state tensor(s) narrower "
@@ -301,7 +363,7 @@ def _model_params(model: nn.Module, plan: Any) -> tuple[dict[torch.Tensor, Updat
 
 
 def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
-              params: Iterable[Any] | None = None, *, compile_step: bool = False,
+              params: Iterable[Any] | None = None, *, compile_step: bool | None = None,
               **hyperparameters: Any) -> Any:
     """An instance of `optimizer_class` that keeps the plan's update half: master copies,
     gradient and state dtypes, low-bit states, stochastic rounding, per module.
@@ -312,16 +374,21 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     `torch.distributed.checkpoint` work as they do for it. Its step asks, per parameter, how
     the plan applied to the model now updates it (so it may be built before `apply`):
 
-    - `master=fp32` over bf16 or fp16 storage: the class steps an fp32 master copy of the
-      parameter (kept in its state as "master"), from its gradient upcast a chunk of parameters
-      at a time, and the master is written back rounded into storage.
+    - `master=fp32` over bf16 or fp16 storage: an fp32 master copy of the parameter (kept in
+      its state as "master") is updated from its gradient and written back rounded into
+      storage. Adam, AdamW and SGD with `fused` and `foreach` left unset (or `fused=True`) do
+      it in one pass through torch's fused kernel, bit for bit `fused=True` over the masters;
+      with `foreach=...`, `fused=False`, `differentiable` or `capturable` given, and for any
+      other class, the class's own step updates the masters, the gradients upcast a chunk of
+      parameters at a time.
     - `master="stochastic"` over bf16 storage: the class steps an fp32 copy made for the step,
       written back with stochastic rounding (torchao's); any class.
     - `grad=fp32`: the gradient is accumulated in fp32 (`Tensor.grad_dtype`), and the step
       reads it as it is.
     - `optim=bf16` (a float dtype): the state is kept in it between steps, and the class runs
       on it upcast; any class. `optim="8bit"`, `"4bit"`, `"fp8"`: torchao's low-bit states,
-      through torchao's Adam update (Adam and AdamW; `fused=True` is refused there).
+      through torchao's Adam update, compiled once per layout (Adam and AdamW; `fused=True`
+      is refused there).
 
     Args:
         model: the model, its plan applied or its annotations resolved (wrappers are seen
@@ -331,8 +398,10 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
         params: what torch's optimizers take: parameters, (name, parameter) pairs, or group
             dicts with per-group hyperparameters. None takes every parameter of the model (a
             frozen one is skipped while it has no gradient, as torch does). (Default: None)
-        compile_step: run torchao's low-bit update through `torch.compile` (one kernel per
-            parameter shape; the first step compiles). (Default: False)
+        compile_step: run the low-bit update (torchao's Adam) through `torch.compile`: one
+            compiled kernel per layout (state format, flags, dtypes), whatever the shapes;
+            the first step compiles. False runs the same operations eagerly (many passes
+            over each state). None: compiled. (Default: None)
         **hyperparameters: for `optimizer_class` (`lr`, `weight_decay`, ...).
 
     Returns:
@@ -373,7 +442,7 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     opt = made(params, **hyperparameters)
     opt._precision_annot_fields = fields
     opt._precision_annot_names = names
-    opt._precision_annot_compile = bool(compile_step)
+    opt._precision_annot_compile = None if compile_step is None else bool(compile_step)
     low = [i for i in items_of(opt) if i.rule.engine == "torchao"]
     why = refusal(opt, low)
     if why is not None:

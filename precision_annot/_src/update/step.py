@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim import Optimizer
 
+from precision_annot._src import update_kernels
 from precision_annot._src.dtypes import wider
 from precision_annot._src.float8 import import_torchao
-from precision_annot._src.update import formats
+from precision_annot._src.update import engines, formats
 from precision_annot._src.update.guard import generation, planned
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, rule_for
 
-__all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "items_of", "own_step",
-           "refusal", "rule_of", "run_step", "settle", "widen_gradients", "write_back"]
+__all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "family", "items_of",
+           "own_step", "refusal", "rule_of", "run_step", "settle", "widen_gradients",
+           "write_back"]
 
 #: the most bytes of copies made for one chunk of a step (upcast gradients, working copies,
 #: upcast states), and never more than an eighth of the parameters, unless one is larger
@@ -89,6 +91,7 @@ def items_of(optimizer: Any) -> list[Item]:
             out.append(Item(index, p, rule, name))
     optimizer._precision_annot_items = (key, out)
     optimizer.__dict__.pop("_precision_annot_layout", None)  # settle what may have changed
+    optimizer.__dict__.pop("_precision_annot_cache", None)  # and work out the rest again
     return out
 
 
@@ -125,22 +128,12 @@ class _Presented:
     created: bool  # a master made for this step (dropped again if nothing updated it)
 
 
-def _master(item: Item, state: dict[str, Any]) -> tuple[torch.Tensor, bool]:
-    dtype = item.rule.master
-    assert dtype is not None
-    master = state.pop("master", None)
-    if isinstance(master, torch.Tensor) and master.dtype == dtype:
-        return master, False
-    source = master if isinstance(master, torch.Tensor) else item.param
-    return source.detach().to(dtype, copy=True), master is None
-
-
 def _present(optimizer: Any, item: Item) -> _Presented:
     p, rule = item.param, item.rule
     state = dict(optimizer.state.pop(p, None) or {})
     created = False
     if rule.engine == "master":
-        stand, created = _master(item, state)
+        stand, created = engines.master_of(p, rule, state)
     elif rule.engine == "copy":
         stand = p.detach().to(rule.working, copy=True)
     else:
@@ -311,125 +304,179 @@ def refusal(optimizer: Any, items: Sequence[Item]) -> str | None:
 
 def adam_family(cls: type) -> str | None:
     """"Adam" or "AdamW" for torch's classes (and subclasses that keep their step), else None."""
+    name = family(cls)
+    return name if name in ("Adam", "AdamW") else None
+
+
+#: One-pass kernels by the family of torch's class they step for ("Adam", "AdamW", "SGD"),
+#: called per group, once for its parameters with masters and once for those without:
+#:
+#: - Adam, AdamW: `kernel(group, params, grads, masters, exp_avgs, exp_avg_sqs,
+#:   max_exp_avg_sqs, steps, adamw, grad_scale, found_inf)` updates each master (or each
+#:   parameter, where `masters` holds None) from its gradient as stored, its moments and its
+#:   step counter in place, with the group's hyperparameters (`adamw`: decoupled weight decay;
+#:   `grad_scale`, `found_inf`: what a GradScaler hands a fused optimizer, else None), and
+#:   writes each master back into its parameter rounded to nearest;
+#: - SGD: `kernel(group, params, grads, masters, momentum_buffers, grad_scale, found_inf)`,
+#:   `momentum_buffers` a list of tensors or None (a first step), filled in place.
+#:
+#: A kernel with `mixed_dtypes = True` also takes parameters that compute wider than they are
+#: stored without a master (a wider gradient or state) and float states narrower than what
+#: is updated, and one with `cached = True` gets `cache=`, a dict kept per group and kind
+#: across steps while the optimizer's parameters and their rules stay as they are. A group
+#: steps through its family's kernel where it leaves `fused` and `foreach` unset or says
+#: `fused=True`, and is not `differentiable` or `capturable`; else, or with no kernel
+#: registered, the class's own step does it. The defaults are `engines.FusedAdam` and
+#: `engines.FusedSGD`: torch's fused kernels over the masters, in one pass.
+AdamKernel = Callable[..., None]
+KERNELS: dict[str, AdamKernel] = {"Adam": engines.FusedAdam(), "AdamW": engines.FusedAdam(),
+                                  "SGD": engines.FusedSGD()}
+
+
+def family(cls: type) -> str | None:
+    """"Adam", "AdamW" or "SGD" for torch's classes (and subclasses that keep their step),
+    else None."""
     for base in cls.__mro__:
-        if base.__module__.startswith("torch.optim") and base.__name__ in ("Adam", "AdamW"):
+        if base.__module__.startswith("torch.optim") and base.__name__ in (
+                "Adam", "AdamW", "SGD"):
             return base.__name__ if own_step(cls) is own_step(base) else None
     return None
 
 
-def _low_bit_state(state: dict[str, Any], target: torch.Tensor, rule: UpdateRule,
-                   amsgrad: bool) -> None:
-    """The moments torchao's update reads, in the rule's low-bit format (created as torchao
-    creates them; converted where a state came from another layout), and a tensor step."""
-    fmt = rule.state
-    assert isinstance(fmt, str)
-    names = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-    quantized = formats.quantized(fmt, target)
-    for name in names:
-        value = state.get(name)
-        signed = name not in formats.UNSIGNED
-        if value is None:
-            state[name] = formats.new_low_bit(fmt, target, signed)
-        elif quantized and formats.low_bit_of(value) != fmt:
-            state[name] = formats.to_format(value, fmt, target, signed=signed)
-        elif not quantized and (formats.low_bit_of(value) or value.dtype != target.dtype):
-            state[name] = formats.to_format(value, target.dtype, target)
-    step = state.get("step")
-    if not isinstance(step, torch.Tensor):
-        state["step"] = torch.tensor(float(step or 0.0))
+def _kernel_group_ok(group: dict[str, Any]) -> bool:
+    """A group a one-pass kernel may step: `fused=True`, or neither `fused` nor `foreach`
+    given, and no `differentiable` or `capturable` step asked for (the class's own step
+    honours those), its hyperparameters plain numbers but `lr`."""
+    if group.get("differentiable") or group.get("capturable") or group.get("foreach"):
+        return False
+    fused = group.get("fused")
+    if fused is not True and (fused is not None or group.get("foreach") is not None):
+        return False
+    betas = group.get("betas", (0.0, 0.0))
+    return all(isinstance(b, (float, int)) for b in betas)
 
 
-def _torchao_step(optimizer: Any, items: list[Item]) -> None:
-    adam = import_torchao("torchao.optim.adam", "a low-bit optim")
-    kernel: Any = adam.single_param_adam
-    if optimizer._precision_annot_compile:
-        kernel = torch.compile(kernel, fullgraph=True, dynamic=False)
-    adamw = isinstance(optimizer, torch.optim.AdamW)
-    lrs: dict[int, torch.Tensor] = {}
+def _kernel_takes(item: Item, mixed: bool) -> bool:
+    """Whether a kernel takes this parameter at all (its gradient is looked at per step)."""
+    rule, p = item.rule, item.param
+    if rule.plain or rule.stochastic or not isinstance(rule.state, torch.dtype):
+        return False  # as the class steps it; stochastic rounding; a low-bit state
+    if not (rule.stored.is_floating_point and p.is_contiguous()):
+        return False
+    if not update_kernels.fused_available(p.device):
+        return False
+    if mixed:
+        return rule.engine in ("master", "direct", "copy") and rule.state.is_floating_point
+    return rule.engine in ("master", "direct") and rule.state == rule.updated
+
+
+def _kernel_parts(optimizer: Any, items: list[Item], name: str, kernel: AdamKernel
+                  ) -> dict[tuple[int, bool], list[Item]]:
+    """The items a kernel may step, by group and whether they have a master (kept across
+    steps while the items and the groups' flags stay as they are)."""
+    groups = optimizer.param_groups
+    flags = tuple(_kernel_group_ok(g) for g in groups)
+    derived = optimizer.__dict__.setdefault("_precision_annot_cache", {})
+    key = (name, id(kernel), flags)
+    held = derived.get("parts")
+    if held is not None and held[0] == key and held[1] is items:
+        return held[2]  # type: ignore[no-any-return]
+    mixed = bool(getattr(kernel, "mixed_dtypes", False))
+    parts: dict[tuple[int, bool], list[Item]] = {}
     for item in items:
-        p, rule = item.param, item.rule
-        if p.grad is None:
+        if flags[item.group] and _kernel_takes(item, mixed):
+            parts.setdefault((item.group, item.rule.master is not None), []).append(item)
+    derived["parts"] = (key, items, parts)
+    derived["kernels"] = {}  # a new partition: the kernels' caches go with the old one
+    return parts
+
+
+def _kernel_step(optimizer: Any, items: list[Item], name: str, kernel: AdamKernel
+                 ) -> list[Item]:
+    """The items a registered kernel takes, handed to it as lists per group and kind; the
+    others (and those whose gradient it cannot read this step) are returned."""
+    parts = _kernel_parts(optimizer, items, name, kernel)
+    if not parts:
+        return items
+    taken: set[int] = set()
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    cached = bool(getattr(kernel, "cached", False))
+    derived = optimizer._precision_annot_cache["kernels"]
+    for (index, mastered), mine in parts.items():
+        group = optimizer.param_groups[index]
+        stepped = [i for i in mine if _readable(i.param.grad)]
+        if not stepped:
             continue
-        group = optimizer.param_groups[item.group]
-        state = optimizer.state[p]
-        target = _master(item, state)[0] if rule.master is not None else p
-        _low_bit_state(state, target, rule, bool(group["amsgrad"]))
-        state["step"] += 1
-        lr = lrs.get(item.group)
-        if lr is None:
-            lr = lrs[item.group] = torch.as_tensor(group["lr"], dtype=torch.float32).detach()
-        grad = -p.grad if group.get("maximize") else p.grad
-        beta1, beta2 = (float(b) for b in group["betas"])
-        kernel(target.detach(), grad, state["step"], state["exp_avg"], state["exp_avg_sq"],
-               state.get("max_exp_avg_sq"), lr, beta1, beta2, float(group["weight_decay"]),
-               float(group["eps"]), adamw or bool(group.get("decoupled_weight_decay")),
-               rule.stochastic and target.dtype is torch.bfloat16)
-        if target is not p:
-            write_back(p, target, rule)
-            optimizer.state[p] = {"master": target, **state}
+        taken.update(id(i) for i in stepped)
+        options = {"cache": derived.setdefault((index, mastered), {})} if cached else {}
+        if name == "SGD":
+            _sgd_group(optimizer, group, stepped, kernel, options)
+        else:
+            _adam_group(optimizer, group, stepped, kernel, adamw, options)
+    return [i for i in items if id(i) not in taken] if taken else items
 
 
-#: a one-pass Adam/AdamW update over lists, one group at a time: `kernel(group, params, grads,
-#: masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, adamw, grad_scale, found_inf)`
-#: updates each master (or the parameter itself, where its master is None) from its gradient as
-#: stored, its moments and its step counter in place, with the group's hyperparameters
-#: (`adamw`: decoupled weight decay; `grad_scale`, `found_inf`: what a GradScaler hands a fused
-#: optimizer, else None), and writes each master back into its parameter rounded to nearest.
-#: Registered by family ("Adam", "AdamW"); with none registered, the class's own step does it.
-AdamKernel = Callable[..., None]
-KERNELS: dict[str, AdamKernel] = {}
+def _readable(grad: torch.Tensor | None) -> bool:
+    """A gradient a kernel reads: present, dense, contiguous (else the class's step)."""
+    return grad is not None and not grad.is_sparse and grad.is_contiguous()
 
 
-def _kernel_step(optimizer: Any, items: list[Item], kernel: AdamKernel) -> list[Item]:
-    """The items a registered kernel takes (a gradient, no stochastic rounding, the state in
-    the dtype it updates) handed to it as lists, per group; the others are returned."""
-    taken = [i for i in items if i.param.grad is not None and i.rule.engine in (
-        "master", "direct") and i.rule.state == i.rule.updated]
-    adamw = isinstance(optimizer, torch.optim.AdamW)
-    for index, group in enumerate(optimizer.param_groups):
-        mine = [i for i in taken if i.group == index]
-        if mine:
-            _kernel_group(optimizer, group, mine, kernel, adamw)
-    chosen = {id(i) for i in taken}
-    return [i for i in items if id(i) not in chosen]
-
-
-def _kernel_group(optimizer: Any, group: dict[str, Any], items: list[Item],
-                  kernel: AdamKernel, adamw: bool) -> None:
-    lists: dict[str, list[Any]] = {k: [] for k in (
-        "params", "grads", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps")}
+def _adam_group(optimizer: Any, group: dict[str, Any], items: list[Item], kernel: AdamKernel,
+                adamw: bool, options: dict[str, Any]) -> None:
+    amsgrad = bool(group["amsgrad"])
+    params, grads, masters, exp_avgs, exp_avg_sqs, maxes, steps = [], [], [], [], [], [], []
+    state_of = optimizer.state
     for item in items:
-        _gather(optimizer, item, group, lists)
-    kernel(group, lists["params"], lists["grads"], lists["masters"], lists["exp_avgs"],
-           lists["exp_avg_sqs"], lists["max_exp_avg_sqs"] or None, lists["steps"],
+        p = item.param
+        master = engines.held_master(optimizer, p, item.rule) if item.rule.master else None
+        state = state_of[p]
+        target = p if master is None else master
+        if "exp_avg" not in state:
+            _new_adam_state(state, target, item.rule.state, amsgrad)  # type: ignore[arg-type]
+        params.append(p)
+        grads.append(p.grad)
+        masters.append(master)
+        exp_avgs.append(state["exp_avg"])
+        exp_avg_sqs.append(state["exp_avg_sq"])
+        if amsgrad:
+            maxes.append(state["max_exp_avg_sq"])
+        steps.append(engines.fused_step(state, target))
+    kernel(group, params, grads, masters, exp_avgs, exp_avg_sqs, maxes or None, steps,
            adamw or bool(group.get("decoupled_weight_decay")),
-           getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None))
+           getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None),
+           **options)
 
 
-def _gather(optimizer: Any, item: Item, group: dict[str, Any], lists: dict[str, list[Any]]
-            ) -> None:
-    """One item's tensors for a kernel, its state made as torch's Adam makes it."""
-    p = item.param
-    state = optimizer.state[p]
-    master = _master(item, state)[0] if item.rule.master is not None else None
-    target = master if master is not None else p
-    if "step" not in state:
-        state["step"] = torch.tensor(0.0)
-        state["exp_avg"] = torch.zeros_like(target, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(target, memory_format=torch.preserve_format)
-        if group["amsgrad"]:
-            state["max_exp_avg_sq"] = torch.zeros_like(target,
-                                                       memory_format=torch.preserve_format)
-    if master is not None:
-        optimizer.state[p] = {"master": master, **state}
-    lists["params"].append(p)
-    lists["grads"].append(p.grad)
-    lists["masters"].append(master)
-    lists["exp_avgs"].append(state["exp_avg"])
-    lists["exp_avg_sqs"].append(state["exp_avg_sq"])
-    if group["amsgrad"]:
-        lists["max_exp_avg_sqs"].append(state["max_exp_avg_sq"])
-    lists["steps"].append(state["step"])
+def _new_adam_state(state: dict[str, Any], target: torch.Tensor, dtype: torch.dtype,
+                    amsgrad: bool) -> None:
+    """Adam's state as torch's fused Adam makes it, its moments in the rule's state dtype (a
+    zero is a zero in any)."""
+    state["step"] = engines.new_step(target)
+    names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    for name in names:
+        state[name] = torch.zeros_like(target, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def _sgd_group(optimizer: Any, group: dict[str, Any], items: list[Item], kernel: AdamKernel,
+               options: dict[str, Any]) -> None:
+    params, grads, masters, buffers = [], [], [], []
+    state_of = optimizer.state
+    for item in items:
+        p = item.param
+        master = engines.held_master(optimizer, p, item.rule) if item.rule.master else None
+        params.append(p)
+        grads.append(p.grad)
+        masters.append(master)
+        buffers.append(state_of[p].get("momentum_buffer") if group["momentum"] else None)
+    kernel(group, params, grads, masters, buffers, getattr(optimizer, "grad_scale", None),
+           getattr(optimizer, "found_inf", None), **options)
+    if group["momentum"]:
+        for item, buffer in zip(items, buffers, strict=True):
+            state = state_of[item.param]
+            if state.get("momentum_buffer") is not buffer:  # made by this step
+                fmt = item.rule.state
+                state["momentum_buffer"] = buffer if buffer is None or buffer.dtype == fmt \
+                    else formats.to_format(buffer, fmt, item.param)  # type: ignore[arg-type]
 
 
 def settle(optimizer: Any, items: Sequence[Item]) -> None:
@@ -465,6 +512,26 @@ def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     return disable(fn)  # type: ignore[no-any-return]
 
 
+class _Split(NamedTuple):
+    """A step's items by who steps them (kept while the items are)."""
+
+    plain: bool  # every one as the class steps it: the class's own step, untouched
+    low: list[Item]  # torchao's update over low-bit states
+    rest: list[Item]  # a kernel, or the class's own step over presented tensors
+
+
+def _split(optimizer: Any, items: list[Item]) -> _Split:
+    cache = optimizer.__dict__.setdefault("_precision_annot_cache", {})
+    held = cache.get("split")
+    if held is not None and held[0] is items:
+        return held[1]  # type: ignore[no-any-return]
+    split = _Split(all(i.rule.plain for i in items),
+                   [i for i in items if i.rule.engine == "torchao"],
+                   [i for i in items if i.rule.engine != "torchao"])
+    cache["split"] = (items, split)
+    return split
+
+
 @_eager
 def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
     """One step of a planned optimizer (see the module docstring). Under `torch.compile`
@@ -475,35 +542,36 @@ def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
         settle(optimizer, items)
         optimizer._precision_annot_layout = True
     base = type(optimizer)._precision_annot_base
-    if all(i.rule.plain for i in items):
+    split = _split(optimizer, items)
+    if split.plain:
         return own_step(base)(optimizer, closure)  # nothing planned: the class's own step
-    low = [i for i in items if i.rule.engine == "torchao"]
+    name = family(base)
+    kernel = KERNELS.get(name or "")
     loss = None
-    if low:
-        loss = _low_bit_step(optimizer, low, closure)
-        closure = None  # evaluated once, before either update
-    rest = [i for i in items if i.rule.engine != "torchao"]
-    kernel = KERNELS.get(adam_family(base) or "")
-    if kernel is not None and closure is None and rest:
+    if closure is not None and (split.low or kernel is not None):
+        # Adam's, AdamW's and SGD's steps evaluate the closure once, before they update
+        with torch.enable_grad():
+            loss = closure()
+        closure = None
+    if split.low:
+        _low_bit_step(optimizer, split.low)
+    rest = split.rest
+    if kernel is not None and rest:
         with torch.no_grad():
-            rest = _kernel_step(optimizer, rest, kernel)
+            rest = _kernel_step(optimizer, rest, name, kernel)  # type: ignore[arg-type]
     if rest:
         out = _class_step(optimizer, rest, closure)
         loss = out if loss is None else loss
     return loss
 
 
-def _low_bit_step(optimizer: Any, low: list[Item], closure: Callable[[], Any] | None) -> Any:
+def _low_bit_step(optimizer: Any, low: list[Item]) -> None:
     why = refusal(optimizer, low)
     if why is not None:
         raise RuntimeError(f"{type(optimizer).__name__}.step(): {why}")
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
+    compiled = optimizer._precision_annot_compile
     with torch.no_grad():
-        _torchao_step(optimizer, low)
-    return loss
+        engines.lowbit_step(optimizer, low, engines.COMPILE if compiled is None else compiled)
 
 
 def widen_gradients(optimizer: Any) -> None:
