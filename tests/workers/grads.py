@@ -46,14 +46,17 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, scale: float = 1.0) -> torch
 class HandLoop:
     """The loop by hand: fp32 masters and fp32 gradient sums beside a low-precision model."""
 
-    def __init__(self, model: nn.Module, *, lr: float = 3e-3, weight_decay: float = 0.1) -> None:
+    def __init__(self, model: nn.Module, *, lr: float = 3e-3, weight_decay: float = 0.1,
+                 fused: bool = True) -> None:
         self.model = model
         self.params = list(model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
         self.sums: list[torch.Tensor | None] = [None] * len(self.params)
-        # fused: what precision_annot.optimizer's AdamW runs over the masters, bit for bit
+        # fused: what precision_annot.optimizer's AdamW runs over bf16 weights' masters, bit
+        # for bit; not fused: torch's default AdamW, which steps fp32 parameters (FSDP2's fp32
+        # shards) that the plan leaves to the class's own step
         self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay,
-                                       fused=True)
+                                       fused=fused)
 
     def backward(self, loss: torch.Tensor) -> None:
         """One micro-batch: its gradient, in the model's dtype, added into the fp32 sums."""
@@ -226,7 +229,7 @@ def _fsdp2(case: str, rank: int) -> dict[str, Any]:
 
     model = fsdp.fully_shard(pa.apply(mlp(), default=SPEC))
     opt = pa.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
-    hand = HandLoop(pa.apply(mlp(), default="bf16-true"))
+    hand = HandLoop(pa.apply(mlp(), default="bf16-true"), fused=False)
     world = dist.get_world_size()
     kinds = set()
     for step in range(3):
