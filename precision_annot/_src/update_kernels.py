@@ -448,13 +448,20 @@ def _prepare(lists: dict[str, Sequence[Tensor] | None], what: str, chunk: int | 
         if distributed:
             roles = {name: (tensors if name == "steps" else _local(tensors, params, name, index))
                      for name, tensors in roles.items()}
-        for name, tensors in roles.items():
-            for k, t in enumerate(tensors):
-                if name != "steps" and not t.is_contiguous() and (
-                        name != "grads" or t.dtype == dtype):
-                    _flat(t, f"{name}[{index[k]}]")
+        _require_flat(roles, dtype, index)
         loops.append(_Loop(device, dtype, index, roles, chunk, distributed))
     return loops
+
+
+def _require_flat(roles: dict[str, list[Tensor]], dtype: torch.dtype, index: list[int]
+                  ) -> None:
+    """Every tensor a loop views flat is contiguous (a gradient narrower than the compute
+    dtype is copied wider anyway, so any layout does)."""
+    for name, tensors in roles.items():
+        for k, t in enumerate(tensors):
+            if name != "steps" and not t.is_contiguous() and (
+                    name != "grads" or t.dtype == dtype):
+                _flat(t, f"{name}[{index[k]}]")
 
 
 def _same(held: dict[str, list[Tensor]], lists: dict[str, Sequence[Tensor] | None]) -> bool:

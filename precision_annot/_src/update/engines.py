@@ -142,12 +142,21 @@ class FusedSGD:
         # starts every buffer of one call at once, so those take a call of their own
         held = [k for k, b in enumerate(momentum_buffers) if b is not None]
         for index in (held, new):
-            buffers = [momentum_buffers[k] for k in index]
-            update_kernels.sgd([targets[k] for k in index], [grads[k] for k in index],
-                               buffers, stored=[params[k] for k in index] if mastered
-                               else None, **hyper)
-            for k, b in zip(index, buffers, strict=True):
-                momentum_buffers[k] = b
+            _sgd_part(index, params, grads, targets if mastered else None, momentum_buffers,
+                      hyper)
+
+
+def _sgd_part(index: list[int], params: list[torch.Tensor], grads: list[torch.Tensor],
+              masters: list[torch.Tensor] | None, momentum_buffers: list[torch.Tensor | None],
+              hyper: dict[str, Any]) -> None:
+    """`update_kernels.sgd` over the parameters at `index` (their buffers filled in place)."""
+    buffers = [momentum_buffers[k] for k in index]
+    targets = masters if masters is not None else params
+    update_kernels.sgd([targets[k] for k in index], [grads[k] for k in index], buffers,
+                       stored=[params[k] for k in index] if masters is not None else None,
+                       **hyper)
+    for k, b in zip(index, buffers, strict=True):
+        momentum_buffers[k] = b
 
 
 # -- torchao's Adam update over low-bit states ---------------------------------------------------
@@ -211,6 +220,37 @@ def lowbit_step(optimizer: Any, items: Sequence[Item], compiled: bool) -> None:
     """torchao's Adam update for the low-bit items that have a gradient: their states made
     (or converted) as torchao makes them, then one `update_kernels.lowbit_adam` call per group
     and kind (with masters, stochastic, neither), compiled once per layout."""
+    calls, eager = _lowbit_calls(optimizer, items)
+    for (index, mastered, stochastic), mine in calls.items():
+        _lowbit_group(optimizer, optimizer.param_groups[index], mine, mastered, stochastic,
+                      compiled)
+    if eager:
+        _eager_torchao(optimizer, eager)
+
+
+def _lowbit_group(optimizer: Any, group: dict[str, Any], mine: list[Item], mastered: bool,
+                  stochastic: bool, compiled: bool) -> None:
+    """One `update_kernels.lowbit_adam` call over a group's items of one kind."""
+    adamw = isinstance(optimizer, torch.optim.AdamW)
+    states = [optimizer.state[i.param] for i in mine]
+    params = [i.param for i in mine]
+    beta1, beta2 = (float(b) for b in group["betas"])
+    update_kernels.lowbit_adam(
+        [s["master"] for s in states] if mastered else params,
+        [p.grad for p in params],  # type: ignore[misc]
+        [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+        [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
+        [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+        decoupled=adamw or bool(group.get("decoupled_weight_decay")),
+        maximize=bool(group.get("maximize")), stored=params if mastered else None,
+        stochastic=stochastic, compiled=compiled)
+
+
+def _lowbit_calls(optimizer: Any, items: Sequence[Item]
+                  ) -> tuple[dict[tuple[int, bool, bool], list[Item]], list[Item]]:
+    """The low-bit items with a gradient, their states made: by (group, with a master,
+    stochastic) for the one-pass kernel, and those it cannot view as blocks (eager)."""
     calls: dict[tuple[int, bool, bool], list[Item]] = {}
     eager: list[Item] = []
     for item in items:
@@ -226,24 +266,7 @@ def lowbit_step(optimizer: Any, items: Sequence[Item], compiled: bool) -> None:
                              []).append(item)
         else:
             eager.append(item)
-    adamw = isinstance(optimizer, torch.optim.AdamW)
-    for (index, mastered, stochastic), mine in calls.items():
-        group = optimizer.param_groups[index]
-        states = [optimizer.state[i.param] for i in mine]
-        params = [i.param for i in mine]
-        beta1, beta2 = (float(b) for b in group["betas"])
-        update_kernels.lowbit_adam(
-            [s["master"] for s in states] if mastered else params,
-            [p.grad for p in params],  # type: ignore[misc]
-            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-            [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
-            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
-            decoupled=adamw or bool(group.get("decoupled_weight_decay")),
-            maximize=bool(group.get("maximize")), stored=params if mastered else None,
-            stochastic=stochastic, compiled=compiled)
-    if eager:
-        _eager_torchao(optimizer, eager)
+    return calls, eager
 
 
 # -- the state a parameter's first step starts from ---------------------------------------------
