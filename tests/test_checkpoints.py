@@ -274,3 +274,45 @@ def test_bad_checkpoint_configs_name_what_is_valid(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match="zip-format torch.save file"):
         check(plan, "checkpoint", {"path": tmp_path / "notes.txt"})
+
+
+def test_the_optimizers_own_state_dict_holds_the_masters_the_check_looks_for(
+        tmp_path: Path) -> None:
+    """A training checkpoint as users write it: `torch.save` of the model's state dict and
+    the optimizer's own `state_dict()` (state by parameter index), or DCP's
+    `get_optimizer_state_dict` (state by name), or the state dict of an optimizer given named
+    parameters in another order (its groups' `param_names`): the masters are found in each, so
+    no 'no masters' warning; the model alone still gets it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    import precision_annot as pa
+
+    model, plan = masters_plan()
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    model(torch.randn(4, 8, dtype=bf16)).float().sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "a.pt")
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=str(tmp_path / "dcp"))
+    # as torch writes it for an optimizer given named parameters, the order another one
+    names = [n for n, _ in model.named_parameters()][::-1]
+    reordered = {"state": {k: opt.state_dict()["state"][len(names) - 1 - k]
+                           for k in range(len(names))},
+                 "param_groups": [{**opt.state_dict()["param_groups"][0],
+                                   "params": list(range(len(names))), "param_names": names}]}
+    torch.save({"model": model.state_dict(), "optimizer": reordered}, tmp_path / "n.pt")
+    for path in ("a.pt", "dcp", "n.pt"):
+        assert check(plan, "checkpoint", {"path": tmp_path / path}) == [], path
+    # the masters saved in bf16 are found, and named, under the optimizer's indices
+    state = opt.state_dict()
+    for entry in state["state"].values():
+        if "master" in entry:
+            entry["master"] = entry["master"].to(bf16)
+    torch.save({"model": model.state_dict(), "optimizer": state}, tmp_path / "b.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "b.pt"})
+    assert sorted(name for _, _, name in codes(found)) == [
+        "down.bias (its master)", "down.weight (its master)", "up.bias (its master)",
+        "up.weight (its master)"]
+    torch.save({"model": model.state_dict()}, tmp_path / "m.pt")
+    assert [f.code for f in check(plan, "checkpoint", {"path": tmp_path / "m.pt"})] == [
+        "checkpoint-no-masters"]

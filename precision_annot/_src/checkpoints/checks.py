@@ -17,7 +17,9 @@ saved dtype compared with the dtype the plan keeps it in:
 
 A parameter whose plan keeps a master copy (`master=fp32` over bf16 storage) is kept in the
 master's dtype: the checkpoint's master for it (a tensor named `<name>.master` under any
-prefix, as an optimizer's state flattens) is compared with that dtype; without one, a resumed run
+prefix, as an optimizer's state flattens under DCP, or `state.<index>.master` in an
+optimizer's own `state_dict()`, its parameters in the model's order) is compared with that
+dtype; without one, a resumed run
 starts its master from the saved weight, which a warning says when that weight is narrower.
 """
 
@@ -76,10 +78,24 @@ def _prefix(planned: Mapping[str, _Planned], saved: Mapping[str, Saved]) -> str:
     return max(sorted(counts), key=lambda p: (counts[p], -len(p)), default="")
 
 
-def _masters(saved: Mapping[str, Saved]) -> dict[str, Saved]:
-    """The master copies a checkpoint holds, by the parameter name they end with."""
-    return {key.rpartition(".")[0]: value for key, value in saved.items()
-            if key.endswith(".master")}
+def _masters(saved: Mapping[str, Saved], planned: Mapping[str, _Planned]) -> dict[str, Saved]:
+    """The master copies a checkpoint holds, by the parameter name they end with. An
+    optimizer's own `state_dict()` (`torch.save`d) keys its state by the index of each
+    parameter in its groups (`state.<index>.master`): where its groups name no parameters,
+    index k is read as the k-th parameter of the model, the order
+    `precision_annot.optimizer(model, ...)` and `model.parameters()` give."""
+    order = [name for name, p in planned.items() if not p.info.buffer and p.info.tied is None]
+    out: dict[str, Saved] = {}
+    for key, value in saved.items():
+        if not key.endswith(".master"):
+            continue
+        holder = key[:-len(".master")]
+        head, _, index = holder.rpartition(".")
+        if index.isdigit() and (head == "state" or head.endswith(".state")) \
+                and int(index) < len(order):
+            holder = f"{head}.{order[int(index)]}"
+        out[holder] = value
+    return out
 
 
 def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: str
@@ -88,7 +104,7 @@ def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: 
     plan's model would do, as findings."""
     planned = _planned(plan)
     prefix = _prefix(planned, saved)
-    masters = _masters(saved)
+    masters = _masters(saved, planned)
     out: list[Finding] = []
     widened: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     missing: list[str] = []

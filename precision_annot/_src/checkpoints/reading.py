@@ -228,10 +228,28 @@ def _torch_save(file: Path) -> dict[str, Saved]:
     return dict(_flatten(root, ""))
 
 
+def _named_optimizer_state(value: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """An optimizer's `state_dict()` whose groups name their parameters (`param_names`, as
+    torch keeps them for an optimizer given named parameters): its state keyed by name."""
+    groups, state = value.get("param_groups"), value.get("state")
+    if not (isinstance(groups, list) and isinstance(state, Mapping)):
+        return value
+    names: dict[Any, str] = {}
+    for group in groups:
+        if not isinstance(group, Mapping):
+            return value
+        ids, given = group.get("params"), group.get("param_names")
+        if not (isinstance(ids, list) and isinstance(given, list) and len(ids) == len(given)):
+            return value
+        names.update(zip(ids, given, strict=True))
+    return {**value, "state": {names.get(k, k): v for k, v in state.items()}}
+
+
 def _flatten(value: Any, prefix: str) -> Iterator[tuple[str, Saved]]:
     if isinstance(value, Saved):
         yield prefix, value
     elif isinstance(value, Mapping):
+        value = _named_optimizer_state(value)
         for key, item in value.items():
             yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
     elif isinstance(value, (list, tuple)):
