@@ -187,7 +187,9 @@ def test_a_gradient_the_loss_already_overflowed_is_blamed_on_the_loss_not_a_modu
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+@given(st.sampled_from([torch.float16, torch.bfloat16, torch.float32,
+                        # a module may return fp8 (a quantizer): 0.4 raised NotImplementedError
+                        torch.float8_e4m3fn, torch.float8_e5m2]),
        st.lists(st.sampled_from(["zero", "sub", "tiny", "normal", "near", "inf", "nan"]),
                 min_size=1, max_size=40), st.integers(0, 2**16))
 def test_measured_counts_are_the_counts_written_by_hand(dtype: torch.dtype, kinds: list[str],
@@ -723,3 +725,31 @@ def test_diff_hands_the_second_run_the_first_runs_draws_whatever_dtype_they_are_
     model = pa.annotate(nn.Sequential(Noisy(), nn.Linear(16, 4)), {"*": "64-true"})
     report = pa.diff(model, torch.randn(8, 16))
     assert report.first is None and report["0"].output_error < 1e-6, str(report)
+
+
+class Quantize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float8_e4m3fn)
+
+
+class Dequantize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * 2
+
+
+def test_watch_measures_an_fp8_output_against_fp8s_limits() -> None:
+    """A module that returns fp8 (a quantizer) and one handed fp8: 0.4 raised
+    NotImplementedError from inside the training step's forward."""
+    model = nn.Sequential(nn.Linear(4, 4), Quantize(), Dequantize())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(4))
+        model[0].bias.zero_()
+    x = torch.tensor([[300.0, 1.0, 0.5, -2.0]])
+    with pa.watch(model, every=1, warn=False) as w:
+        model(x).sum().backward()
+        record = w.step()
+    assert record is not None
+    q = record.outputs["1"]
+    assert q.dtype == torch.float8_e4m3fn and q.amax == 288.0  # 300 in e4m3
+    assert q.margin == 288.0 / 448.0 and q.over == 0.25  # 288 > 448 / 2
+    assert record.outputs["2"].amax == 576.0 and record.outputs["2"].dtype == torch.float32

@@ -272,6 +272,10 @@ def _measure(t: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor
     that made it held values that are not finite), as one float64 tensor: a handful of kernels,
     no sync."""
     finfo = torch.finfo(t.dtype)
+    if t.element_size() == 1:  # fp8 (a quantizer's output): few kernels take it; exact in fp32
+        t = t.float()
+    if given is not None and given.element_size() == 1:
+        given = given.float()
     a = t.abs()
     numel = t.numel()
     # |a / tiny - 1/2| < 1/2 exactly when 0 < a < tiny (scaling by a power of two is exact,
