@@ -234,7 +234,7 @@ def test_a_parameter_a_module_returns_keeps_no_gradient_hook_after_the_recorder_
     torch.manual_seed(0)
     model = WithTable()
     for _ in range(5):
-        outs, grads = record(model, lambda: model(torch.randn(2, 4)).sum().backward())
+        _, grads = record(model, lambda: model(torch.randn(2, 4)).sum().backward())
         assert [r.key for r, _ in grads if r.name == "pos"] == [("pos", 0, 0)]
     assert not model.pos.table._backward_hooks
     model(torch.randn(2, 4)).sum().backward()  # a later step: nothing fires
@@ -256,7 +256,7 @@ def test_a_batch_made_under_inference_mode_is_recorded_as_any_other() -> None:
     model[0].requires_grad_(False)  # a frozen first layer: torch needs none of its input saved
     with torch.inference_mode():
         x = torch.randn(3, 4)
-    outs, grads = record(model, lambda: model(x).sum().backward(), training_only=True)
+    outs, _ = record(model, lambda: model(x).sum().backward(), training_only=True)
     assert [r.key for r, _ in outs] == [("0", 0, 0), ("2", 0, 0), ("", 0, 0)]
     with pa.watch(model, every=1, warn=False) as w:
         model(x).sum().backward()

@@ -116,6 +116,26 @@ def test_watch_rejects_a_bad_every() -> None:
     with pytest.raises(ValueError, match=r"every is a number of steps, 1 or more. Received: "
                                          r"every=0"):
         pa.watch(planted(), every=0)
+    with pytest.raises(ValueError, match=r"start is the index of the first step .* 0 or more. "
+                                         r"Received: start=-1"):
+        pa.watch(planted(), start=-1)
+
+
+def test_a_resumed_run_goes_on_from_its_step_with_the_same_steps_sampled(tmp_path: Path
+                                                                         ) -> None:
+    """A run stopped after 5 steps and resumed with start=5 samples and numbers its steps as
+    one run of 10 does, in one file (0.4 could only count from 0 again)."""
+    model = planted()
+    path = tmp_path / "run.jsonl"
+    for start, steps in ((0, 5), (5, 5)):
+        with pa.watch(model, every=3, path=path, start=start, warn=False) as w:
+            hooks = []
+            for _ in range(steps):
+                hooks.append(len(model[0]._forward_hooks))
+                model(torch.randn(2, 16).half()).float().sum().backward()
+                w.step()
+    assert hooks == [0, 1, 0, 0, 1]  # steps 5..9: 6 and 9 are measured
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 3, 6, 9]
 
 
 # -- diff ----------------------------------------------------------------------------------------

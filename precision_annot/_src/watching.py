@@ -120,7 +120,7 @@ class WatchRecord:
     """One sampled step.
 
     Attributes:
-        step: the step's index (the `watch.step()` calls before it).
+        step: the step's index (`start` plus the `watch.step()` calls before it).
         outputs: each module's output, by name.
         grads: the gradient of each module's output, by name.
         first_nonfinite: the first module, in execution order, whose output held a value
@@ -407,6 +407,9 @@ class watch:
             largest magnitude, summed counts) into a record of rank "all". (Default: True)
         warn: say once per module, with the fix, when its output or gradient reaches half
             its dtype's largest value or is not finite. (Default: True)
+        start: the index of the first step: a run resumed from a checkpoint taken after N
+            steps passes N, so that its steps keep their numbers and the same steps are
+            sampled as in a run that was not stopped. (Default: 0)
 
     Attributes:
         history: every `WatchRecord` so far (this rank's, and the reduced ones).
@@ -426,12 +429,15 @@ class watch:
     """
 
     def __init__(self, model: nn.Module, every: int = 100, *, scaler: Any = None,
-                 path: str | Path | None = None, reduce: bool = True, warn: bool = True
-                 ) -> None:
+                 path: str | Path | None = None, reduce: bool = True, warn: bool = True,
+                 start: int = 0) -> None:
         require_module(model, "watch")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"watch: every is a number of steps, 1 or more. Received: "
                              f"every={every!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"watch: start is the index of the first step (the steps a resumed "
+                             f"run took before), 0 or more. Received: start={start!r}")
         _require_scaler(scaler)
         _refuse_compiled(model)
         self.model = unwrap(model)
@@ -442,7 +448,7 @@ class watch:
         self.reduce = reduce
         self.warn = warn
         self.history: list[WatchRecord] = []
-        self.index = 0
+        self.index = start
         self.skipped = 0
         self._scale: float | None = None if scaler is None else float(scaler.get_scale())
         self._said: set[tuple[str, str, bool]] = set()
@@ -450,7 +456,7 @@ class watch:
         self._file: TextIO | None = None
         if path is not None:
             self._file = _open(path)
-        self._current: _Step | None = _Step(self.named)
+        self._current: _Step | None = _Step(self.named) if start % every == 0 else None
 
     @property
     def sampling(self) -> bool:
