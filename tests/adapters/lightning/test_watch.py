@@ -138,3 +138,24 @@ def test_a_compiled_lightning_module_runs_its_sampled_batches_eager() -> None:
     ctx = model._compiler_ctx
     assert ctx is not None and model.training_step is not ctx["original_training_step"]
     assert model.forward is not ctx["original_forward"]  # compiled again after the batch
+
+
+class Crashing(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("a bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_raises_leaves_no_watch_hooks_on_the_model(tmp_path: Path) -> None:
+    """0.4 closed the watch at on_train_end only: after a fit that raised, the sampled step's
+    hooks stayed on the model and recorded every later forward (a notebook's next fit)."""
+    model = Crashing()
+    callback = WatchCallback(every=1, path=tmp_path / "watch.jsonl")
+    trainer = L.Trainer(max_steps=4, plugins=[AnnotatedPrecision(default="bf16-true")],
+                        callbacks=[callback], enable_checkpointing=False, **QUIET)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="a bad batch"):
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert callback.watch is not None and callback.watch._file is None
