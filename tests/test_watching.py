@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from torch import nn
 
 import precision_annot as pa
 from precision_annot._src.cli import main
+from precision_annot._src.recording import relative_error
+from precision_annot._src.samples import projected_loss
 from precision_annot._src.watching import _measure, _stats
 
 
@@ -669,8 +673,18 @@ def test_diff_takes_a_one_parameter_loss_fn_as_suggest_does() -> None:
     two = pa.diff(model, x, loss_fn=lambda out, sample: (out - sample[:, :4]).pow(2).mean())
     assert one.first == two.first == "3"
     assert one["2"].grad_error is not None and one["2"].grad_error != two["2"].grad_error
-    with pytest.raises(TypeError, match=r"diff\(loss_fn=...\) must return a floating tensor"):
+    with pytest.raises(TypeError, match=r"diff\(loss_fn=...\) must return the loss: a "
+                                        r"floating tensor of one element .* Received: 'loss'"):
         pa.diff(model, x, loss_fn=lambda out: "loss")
+    # the forms a Hugging Face user reaches for first, and a loss not reduced (0.4: a repr of
+    # the whole dict of tensors, and torch's "grad can be implicitly created only for scalar
+    # outputs" from inside the backward)
+    for wrong, said in ((lambda out: {"loss": out.sum(), "logits": out}, r"a dict with keys "
+                         r"\['loss', 'logits'\]"),
+                        (lambda out: (out.sum(), out), "a tuple of 2 items"),
+                        (lambda out: out.pow(2), r"a tensor of shape \(8, 4\)")):
+        with pytest.raises(TypeError, match=r"out\['loss'\].*Received: " + said):
+            pa.diff(model, x, loss_fn=wrong)
     with pytest.raises(TypeError, match=r"diff\(loss_fn=...\) is a function"):
         pa.diff(model, x, loss_fn=3)  # type: ignore[arg-type]
 
@@ -773,3 +787,83 @@ def test_watch_measures_an_fp8_output_against_fp8s_limits() -> None:
     assert q.dtype == torch.float8_e4m3fn and q.amax == 288.0  # 300 in e4m3
     assert q.margin == 288.0 / 448.0 and q.over == 0.25  # 288 > 448 / 2
     assert record.outputs["2"].amax == 576.0 and record.outputs["2"].dtype == torch.float32
+
+
+# -- diff: its own copy of the sample, one copy of the model at a time, a loss that reaches ------
+
+class Cached(nn.Module):
+    """Attends over the keys of earlier calls, kept in a cache the caller hands in (as a KV
+    cache is): each forward appends to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        cache.append(self.k(x))
+        keys = torch.cat(cache)
+        out: torch.Tensor = self.out((x @ keys.T).softmax(-1) @ keys)
+        return out
+
+
+def test_diff_runs_each_step_on_its_own_copy_of_the_sample_and_leaves_the_callers() -> None:
+    """0.4 handed both runs the caller's sample: the plan's run appended to the caller's cache,
+    the fp32 run then attended over 3 keys where the plan's had 2 (or raised, through a
+    freed graph), and the backward put gradients in the caller's input."""
+    torch.manual_seed(0)
+    model = pa.annotate(Cached(), {"*": "32-true"})
+    past = [torch.randn(4, 8)]
+    x = torch.randn(4, 8, requires_grad=True)
+    report = pa.diff(model, ((x,), {"cache": past}))
+    assert len(past) == 1 and x.grad is None  # the caller's, as they were
+    assert report.first is None and report.first_grad is None, str(report)
+    assert all(m.output_error == 0.0 for m in report), str(report)
+
+
+class Counted(nn.Linear):
+    """Counts the copies of itself alive when each forward runs."""
+
+    alive: ClassVar[weakref.WeakSet[nn.Module]] = weakref.WeakSet()
+    seen: ClassVar[list[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counted.alive.add(self)
+        Counted.seen.append(len(Counted.alive))
+        return super().forward(x)
+
+
+def test_diff_holds_one_copy_of_the_model_at_a_time() -> None:
+    """0.4 held both copies (the plan's and fp32's) while the fp32 run ran. The plan's copy
+    is freed when let go, without waiting for the garbage collector (the applied plan's
+    boundary holds its module: a reference cycle)."""
+    model = pa.apply(nn.Sequential(Counted(8, 8), nn.Linear(8, 1)), default="bf16-true")
+    Counted.seen.clear()
+    pa.diff(model, torch.randn(4, 8))
+    assert Counted.seen == [1, 1]  # each run's copy alone (the caller's model never ran)
+
+
+def test_diffs_default_loss_reaches_through_a_normalization_and_a_softmax() -> None:
+    """A model ending in a LayerNorm (at its initial weights) or a softmax: the sum of its
+    output is a constant, whose gradient is 0 but for rounding, and 0.4 reported gradient
+    errors of 1e28 and named a 'first (backward)' module for it. The default loss is now a
+    fixed projection of the output, whose gradient reaches every element; judged against the
+    same cotangent pulled back by hand."""
+    for last in (nn.LayerNorm(32), nn.Softmax(-1)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), last)
+        pa.annotate(model, {"*": "bf16"})
+        x = torch.randn(8, 16)
+        report = pa.diff(model, x)
+        assert report.first_grad is None, str(report)
+        # by hand: the same loss in fp32 and in bf16, the gradient at the second Linear
+        wants = []
+        for dtype in (torch.float32, torch.bfloat16):
+            net = copy.deepcopy(model).to(dtype)
+            h = net[2](net[1](net[0](x.to(dtype))))
+            (g,) = torch.autograd.grad(projected_loss(net[3](h)), h)
+            wants.append(g)
+        assert float(wants[0].abs().max()) > 1e-2  # a gradient that reaches, unlike the sum's
+        assert report["2"].grad_error == pytest.approx(
+            relative_error(wants[1], wants[0]), rel=0.2, abs=2e-3)
+        assert report["2"].grad_error < report.tolerance

@@ -21,6 +21,7 @@ from precision_annot import (
     apply,
     audit,
     bf16,
+    diff,
     fp16,
     fp32,
     optimizer,
@@ -687,6 +688,25 @@ def test_watch_callback_samples_the_training_steps_of_a_trainer_that_evaluates_e
     for record in records:
         assert set(record.grads) == set(mine.grads)
         assert set(record.outputs) == set(mine.outputs)
+
+
+def test_diff_with_a_kv_cache_leaves_the_callers_cache_and_compares_the_same_step() -> None:
+    """A decoding step handed the cache of the tokens before it: 0.4 ran the plan's step on
+    the caller's DynamicCache (4 tokens -> 8), then the fp32 step on what it left (-> 12)
+    and raised through the first run's freed graph."""
+    model, _ = annotated("llama")
+    model.train()
+    apply(model, default="bf16")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diff(model, {"input_ids": ids[:, 4:], "past_key_values": cache,
+                              "use_cache": True}, loss_fn=lambda out: out.logits.float().mean())
+    assert cache.get_seq_length() == 4
+    assert report.first is None and report.first_grad is None, str(report)
+    assert report["lm_head"].grad_error is not None
 
 
 @pytest.mark.slow  # 9 s (two Trainer runs); the Lightning test shows the same in make test
