@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import warnings
 import weakref
 from pathlib import Path
@@ -867,3 +868,31 @@ def test_diffs_default_loss_reaches_through_a_normalization_and_a_softmax() -> N
         assert report["2"].grad_error == pytest.approx(
             relative_error(wants[1], wants[0]), rel=0.2, abs=2e-3)
         assert report["2"].grad_error < report.tolerance
+
+
+def test_watch_report_reads_a_file_whose_run_stopped_while_writing_and_an_empty_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run killed while writing its last record (the run one wants the report of): 0.4
+    refused the whole file (exit 2, 'line 3 is not JSON'). An empty file gave an empty
+    table."""
+    model = planted()
+    path = tmp_path / "run.jsonl"
+    with pa.watch(model, every=1, path=path, warn=False) as w:
+        train(model, 3, w)
+    text = path.read_text()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(text[: len(text) - 40])
+    assert main(["watch-report", str(cut)]) == 0
+    said = capsys.readouterr()
+    assert said.out.startswith(f"2 sampled steps in {cut}")
+    assert re.search(r"warning: watch-report: the last line of .*cut.jsonl \(line 3\) was cut "
+                     r"short", said.err)
+    middle = tmp_path / "middle.jsonl"
+    lines = text.splitlines()
+    middle.write_text("\n".join([lines[0], lines[1][:40], lines[2]]) + "\n")
+    assert main(["watch-report", str(middle)]) == 2  # damage elsewhere is still refused
+    assert "line 2 is not JSON" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["watch-report", str(empty)]) == 0
+    assert "0 sampled steps" in capsys.readouterr().out

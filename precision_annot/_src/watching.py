@@ -652,14 +652,22 @@ class watch:
 
 
 def _read(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file `watch` wrote, checked."""
+    """The records of a JSON-lines file `watch` wrote, checked. A last line cut short (a run
+    stopped while writing it: watch ends each line it writes) is left out, and said."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
     records = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            if n == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"watch-report: the last line of {path} (line {n}) was cut short, "
+                              "as by a run stopped while writing it; it is left out.",
+                              UserWarning, stacklevel=3)
+                break
             raise ValueError(f"line {n} is not JSON ({e})") from e
         if not isinstance(record, dict) or not {"step", "rank", "outputs", "grads"} <= set(
                 record):
@@ -721,6 +729,9 @@ def report(path: str | Path, top: int = 10) -> str:
             score = (stats["nonfinite"] > 0, stats["margin"])
             if (module, kind) not in worst or score > worst[(module, kind)][0]:
                 worst[(module, kind)] = (score, record["step"], stats)
+    if not steps:
+        return (f"0 sampled steps in {path}: watch(path=...) appends one line per sampled "
+                "step, and none was written (no sampled step ended, or this is not its file).")
     rows: list[tuple[str, ...]] = [("module", "of", "dtype", "worst margin", "at step",
                                     "non-finite")]
     for (module, kind), (_, step, stats) in sorted(worst.items(),
