@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import re
@@ -896,3 +897,48 @@ def test_watch_report_reads_a_file_whose_run_stopped_while_writing_and_an_empty_
     empty.write_text("")
     assert main(["watch-report", str(empty)]) == 0
     assert "0 sampled steps" in capsys.readouterr().out
+
+
+class Reads(pa.GradScaler):
+    """Counts the reads of its scale to the host (`get_scale` calls `.item()`: on a GPU, a
+    wait for the device)."""
+
+    reads = 0
+
+    def get_scale(self) -> float:
+        Reads.reads += 1
+        return super().get_scale()
+
+
+def test_steps_that_are_not_sampled_read_no_loss_scale_from_the_device() -> None:
+    """0.4 read the GradScaler's scale (`.item()`) at every step to count skips: on a GPU, a
+    host sync on every training step, sampled or not (a fused optimizer's step avoids its own
+    to keep the device busy). Skips are now counted on the device and read on sampled steps:
+    the same counts as the scale read every step by hand."""
+    model = planted()
+    scaler = Reads(init_scale=2.0**16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    gen = torch.Generator().manual_seed(1)
+    scales = [scaler.get_scale()]
+    with pa.watch(model, every=4, scaler=scaler, warn=False) as w:
+        Reads.reads = 0
+        for _ in range(12):
+            x = torch.randn(8, 16, generator=gen).half()
+            opt.zero_grad()
+            scaler.scale(model(x).float().pow(2).mean() * 1e-6).backward()
+            scaler.step(opt)
+            scaler.update()
+            reads = Reads.reads
+            w.step()
+            assert Reads.reads - reads <= (1 if w.history and w.history[-1].step == w.index - 1
+                                           else 0)
+            Reads.reads = reads
+            scales.append(float(scaler._scale))  # by hand, after the fact
+            with torch.no_grad():
+                model[2].weight.mul_(4.0)  # the planted growth: the scaler backs off
+    lowered = [b < a for a, b in itertools.pairwise(scales)]
+    skipped = [sum(lowered[:k + 1]) for k in range(12)]
+    assert [r.step for r in w.history] == [0, 4, 8]
+    assert [r.skipped for r in w.history] == [skipped[k] for k in (0, 4, 8)]
+    assert [r.scale for r in w.history] == [scales[k + 1] for k in (0, 4, 8)]
+    assert skipped[-1] >= 2  # the planted growth makes it back off

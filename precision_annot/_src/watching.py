@@ -372,6 +372,51 @@ def _require_scaler(scaler: Any) -> None:
                         f"scaler={scaler!r} (of type {type(scaler).__name__})")
 
 
+class _Skips:
+    """The steps a GradScaler skipped: it lowers its scale exactly when it skips one.
+
+    Torch's GradScaler reads its scale with `.item()` (on a GPU, a wait for the device);
+    a step that is not sampled compares the scale where it lives instead, and a sampled step
+    reads the count and the scale (it waits for the device to measure anyway)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.count = 0
+        self.scale = float(scaler.get_scale())
+        self._last: torch.Tensor | None = None  # the scale after the step before, as a tensor
+        self._pending: torch.Tensor | None = None  # skips counted on the device, not read yet
+
+    def step(self) -> None:
+        now = _scale_tensor(self.scaler)
+        if now is None:  # not torch's scaler (or not scaling yet): read it
+            scale = float(self.scaler.get_scale())
+            self.count += int(scale < self.scale)
+            self.scale = scale
+            return
+        lower = (now < (self.scale if self._last is None else self._last)).int()
+        self._pending = lower if self._pending is None else self._pending + lower
+        self._last = now.clone()  # the scaler updates its scale in place
+
+    def read(self) -> tuple[float, int]:
+        if self._pending is not None:
+            self.count += int(self._pending.item())
+            self._pending = None
+        if self._last is not None:
+            self.scale = float(self._last.item())
+        return self.scale, self.count
+
+
+def _scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The GradScaler's scale as the tensor it keeps, or None (another scaler, or one that has
+    not scaled a loss yet).
+
+    NOTE: torch's GradScaler hands its scale tensor only through `_get_scale_async`;
+    `get_scale()` reads it to the host."""
+    get = getattr(scaler, "_get_scale_async", None)
+    scale = get() if callable(get) else None
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
 def _open(path: str | Path) -> TextIO:
     """The JSON-lines file a run appends to, its folder checked first."""
     file = Path(path)
@@ -449,8 +494,7 @@ class watch:
         self.warn = warn
         self.history: list[WatchRecord] = []
         self.index = start
-        self.skipped = 0
-        self._scale: float | None = None if scaler is None else float(scaler.get_scale())
+        self._skips = None if scaler is None else _Skips(scaler)
         self._said: set[tuple[str, str, bool]] = set()
         self._said_empty = False
         self._file: TextIO | None = None
@@ -482,7 +526,8 @@ class watch:
         """End one training step: the record of this step when it was sampled, else None.
         Installs the hooks before the next sampled step."""
         current = self._current
-        self._count_skips()
+        if self._skips is not None:
+            self._skips.step()
         record = None
         if current is not None:
             current.close()
@@ -496,15 +541,6 @@ class watch:
             self._current = _Step(self.named)
         return record
 
-    def _count_skips(self) -> None:
-        """A GradScaler lowers its scale exactly when it skips a step."""
-        if self.scaler is None:
-            return
-        scale = float(self.scaler.get_scale())
-        if self._scale is not None and scale < self._scale:
-            self.skipped += 1
-        self._scale = scale
-
     def _record(self, current: _Step) -> WatchRecord:
         outputs, first = _merged(current.outputs)
         grads, first_grad = _merged(current.grads)
@@ -514,10 +550,10 @@ class watch:
         fp8 = {name: tuple(Fp8Stats(op, dtype, *values.tolist())
                            for op, dtype, values in ops)
                for name, ops in current.fp8.items()}
+        scale, skipped = (None, None) if self._skips is None else self._skips.read()
         record = WatchRecord(self.index, {n: _stats(r.dtype, r.values) for n, r in outputs.items()},
                              {n: _stats(r.dtype, r.values) for n, r in grads.items()}, first,
-                             first_grad, self._scale,
-                             None if self.scaler is None else self.skipped, rank, fp8)
+                             first_grad, scale, skipped, rank, fp8)
         self._keep(record)
         if self.reduce and dist.is_available() and dist.is_initialized():
             self._keep(self._reduced(outputs, grads, record))
