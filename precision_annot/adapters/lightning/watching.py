@@ -88,6 +88,13 @@ class WatchCallback(pl.Callback):
                      exception: BaseException) -> None:
         self._close(pl_module)  # no hooks left on the model, the file closed
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # two WatchCallbacks in one Trainer keep their counts apart in the checkpoint
+        return self._generate_state_key(every=self.every, path=str(self.path),
+                                        prefix=self.prefix)
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.watch.index if self.watch is not None else self._start}
