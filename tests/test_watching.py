@@ -942,3 +942,47 @@ def test_steps_that_are_not_sampled_read_no_loss_scale_from_the_device() -> None
     assert [r.skipped for r in w.history] == [skipped[k] for k in (0, 4, 8)]
     assert [r.scale for r in w.history] == [scales[k + 1] for k in (0, 4, 8)]
     assert skipped[-1] >= 2  # the planted growth makes it back off
+
+
+class Routed(nn.Module):
+    """Top-1 routing over 4 experts: a near tie can go another way in bf16 than in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.experts = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            picked = chosen == e
+            if picked.any():
+                out[picked] = expert(x[picked]).to(out.dtype)
+        return out
+
+
+def test_diff_says_where_the_runs_routed_tokens_apart_not_that_fp32_is_not_finite() -> None:
+    """A router that sends a token to another expert in bf16 than in fp32 hands those experts
+    tensors of other shapes in the two runs: 0.4 warned that the fp32 run itself held values
+    that are not finite ("look at the weights and the batch"), which it did not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Routed(), nn.Linear(16, 2))
+    pa.annotate(model, {"*": "bf16"})
+    x = torch.randn(256, 16)
+    low = pa.apply(copy.deepcopy(model))  # the routes by hand, in fp32 and under the plan
+    with torch.no_grad():
+        want = model[1].router(model[0](x)).argmax(-1)
+        got = low[1].router(low[0](x.bfloat16())).argmax(-1)
+    other = want != got
+    moved = {int(e) for e in torch.cat([want[other], got[other]])}
+    assert moved  # the seed's batch does route some tokens apart
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        report = pa.diff(model, x)
+    messages = [str(s.message) for s in said]
+    assert not any("fp32 run itself" in m for m in messages), messages
+    apart = [m for m in messages if "returned tensors of other shapes" in m]
+    assert len(apart) == 1 and all(f"'1.experts.{e}'" in apart[0] for e in moved)
+    assert {n for n in (f"1.experts.{e}" for e in range(4))
+            if math.isnan(report[n].output_error)} == {f"1.experts.{e}" for e in moved}

@@ -133,6 +133,9 @@ class _Run:
         #: the fp32 run's errors against `against`, by key (None: not measured)
         self.errors: dict[tuple[str, int, int], float | None] = {}
         self.grad_errors: dict[tuple[str, int, int], float | None] = {}
+        #: the fp32 run's tensors of another shape than the plan's run's: the runs took other
+        #: paths there (a router sent other tokens to an expert)
+        self.unlike: dict[tuple[str, int, int], None] = {}  # (in the forward's order)
         self.recorder = Recorder(dict(model.named_modules()), self._output, self._grad)
 
     def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, args: tuple[Any, ...]
@@ -141,9 +144,13 @@ class _Run:
         if self.against is None:
             self.outputs[r.key] = (self.outputs[r.same.key] if r.same is not None
                                    else t.detach().clone())
+        elif r.same is not None:
+            self.errors[r.key] = self.errors[r.same.key]
         else:
-            self.errors[r.key] = (self.errors[r.same.key] if r.same is not None
-                                  else _error(self.against.outputs.get(r.key), t.detach()))
+            got = self.against.outputs.get(r.key)
+            if got is not None and got.shape != t.shape:
+                self.unlike[r.key] = None
+            self.errors[r.key] = _error(got, t.detach())
 
     def _grad(self, r: Returned, g: torch.Tensor) -> None:
         done = self.grads if self.against is None else self.grad_errors
@@ -314,7 +321,7 @@ def _compare(planned: _Run, exact: _Run, plan: PrecisionPlan, tolerance: float
         outputs.setdefault(r.name, []).append(out)
         if first is None and out > tolerance:
             first = r.name
-        if broken is None and math.isnan(out):
+        if broken is None and math.isnan(out) and r.key not in exact.unlike:
             broken = r.name
         grad = exact.grad_errors.get(r.key)
         if grad is not None:
@@ -337,6 +344,17 @@ def _first_grad(planned: _Run, exact: _Run, compared: set[str], tolerance: float
         if r.name in compared and grad is not None and grad > tolerance:
             return r.name
     return None
+
+
+def _say_where_the_runs_took_other_paths(exact: _Run) -> None:
+    names = list(dict.fromkeys(key[0] for key in exact.unlike))
+    if names:
+        warnings.warn(f"diff: {len(names)} module(s) returned tensors of other shapes in the "
+                      f"plan's run than in fp32's ({', '.join(map(repr, names[:4]))}"
+                      f"{', ...' if len(names) > 4 else ''}): the two runs took other paths "
+                      "there (a router sent other tokens to an expert, or code branched on "
+                      "values the precision changed), so those are not compared (error nan).",
+                      UserWarning, stacklevel=3)
 
 
 def _say_if_fp32_is_not_finite(broken: str | None) -> None:
@@ -408,4 +426,5 @@ def diff(model: nn.Module, sample: Any, *,
         del reference
     rows, first, first_grad, broken = _compare(planned, exact, plan, tol)
     _say_if_fp32_is_not_finite(broken)
+    _say_where_the_runs_took_other_paths(exact)
     return DiffReport(tuple(rows), tol, first, first_grad)
