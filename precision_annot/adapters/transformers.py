@@ -354,7 +354,9 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
     module's output's and gradient's largest magnitude and margin (the share of its dtype's
     largest value) go into the step's logs, which the Trainer hands to every integration
     `report_to` names (TensorBoard, W&B, ...). The callback is put first among the Trainer's,
-    so that those integrations see the numbers in the logs they write.
+    so that those integrations see the numbers in the logs they write. A run resumed from a
+    checkpoint goes on counting from its step. A Trainer with `torch_compile=True` is refused
+    (its compiled steps run no module hook).
 
     Args:
         trainer: a `transformers.Trainer`, before `train()`.
@@ -371,6 +373,14 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
     """
     from transformers import TrainerCallback
 
+    if getattr(getattr(trainer, "args", None), "torch_compile", False):
+        raise ValueError(
+            "watch_callback: the Trainer compiles the model (TrainingArguments(torch_compile="
+            "True)), and compiled code runs no module hook, so watch would see nothing of its "
+            "steps. Watch a run with torch_compile=False, or watch your own loop, calling the "
+            "uncompiled model while watch.sampling is True (see the watch guide). Received: "
+            "trainer.args.torch_compile=True")
+
     class WatchCallback(TrainerCallback):
         def __init__(self) -> None:
             self.watch: Any = None
@@ -378,7 +388,10 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             model: nn.Module = kwargs["model"]
-            self.watch = make_watch(model, every=every, path=None if path is None else Path(path))
+            # a resumed run goes on from the checkpoint's step: the same numbers, the same
+            # steps sampled
+            self.watch = make_watch(model, every=every, path=None if path is None else Path(path),
+                                    start=int(state.global_step))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             record = self.watch.step() if self.watch is not None else None

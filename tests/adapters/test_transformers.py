@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from precision_annot import (
     apply,
     audit,
     bf16,
+    diff,
     fp16,
     fp32,
     optimizer,
@@ -753,6 +755,67 @@ def test_watch_callback_samples_the_training_steps_of_a_trainer_that_evaluates_e
     for record in records:
         assert set(record.grads) == set(mine.grads)
         assert set(record.outputs) == set(mine.outputs)
+
+
+def test_diff_with_a_kv_cache_leaves_the_callers_cache_and_compares_the_same_step() -> None:
+    """A decoding step handed the cache of the tokens before it: 0.4 ran the plan's step on
+    the caller's DynamicCache (4 tokens -> 8), then the fp32 step on what it left (-> 12)
+    and raised through the first run's freed graph."""
+    model, _ = annotated("llama")
+    model.train()
+    apply(model, default="bf16")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diff(model, {"input_ids": ids[:, 4:], "past_key_values": cache,
+                              "use_cache": True}, loss_fn=lambda out: out.logits.float().mean())
+    assert cache.get_seq_length() == 4
+    assert report.first is None and report.first_grad is None, str(report)
+    assert report["lm_head"].grad_error is not None
+
+
+@pytest.mark.slow  # 9 s (two Trainer runs); the Lightning test shows the same in make test
+def test_watch_callback_goes_on_counting_the_steps_of_a_resumed_run(tmp_path: Path) -> None:
+    """0.4 counted from 0 again: a run stopped after 3 steps and resumed to 6 wrote steps
+    [0, 2, 0, 2] to one file and sampled global steps 3 and 5, not 4."""
+    path = tmp_path / "watch.jsonl"
+
+    def train(max_steps: int, resume: bool) -> Any:
+        model, _ = annotated("llama")
+        apply(model, default="bf16")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+            use_cpu=True, report_to=[], save_strategy="steps", save_steps=3, logging_steps=100,
+            disable_tqdm=True, learning_rate=1e-2)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        callback = hf.watch_callback(trainer, every=2, path=path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(resume_from_checkpoint=resume or None)
+        return callback
+
+    train(3, False)
+    resumed = train(6, True)
+    assert [r.step for r in resumed.watch.history] == [4]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2, 4]
+
+
+def test_watch_callback_refuses_a_trainer_that_compiles_the_model(tmp_path: Path) -> None:
+    """Compiled steps run no module hook: 0.4 trained one step, then raised with a fix (call
+    the uncompiled model on sampled steps) that a Trainer's user cannot apply."""
+    model, _ = annotated("llama")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, use_cpu=True,
+                                          report_to=[], torch_compile=True,
+                                          torch_compile_backend="eager")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    with pytest.raises(ValueError, match=r"watch_callback: the Trainer compiles the model "
+                                         r"\(TrainingArguments\(torch_compile=True\)\).*"
+                                         r"torch_compile=False"):
+        hf.watch_callback(trainer, every=2)
+    assert not any(type(c).__name__ == "WatchCallback"
+                   for c in trainer.callback_handler.callbacks)
 
 
 @pytest.mark.parametrize("reentrant", [
