@@ -272,5 +272,90 @@ def test_bad_checkpoint_configs_name_what_is_valid(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no file or directory at"):
         check(plan, "checkpoint", {"path": tmp_path / "gone"})
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match="zip-format torch.save file"):
+    with pytest.raises(ValueError, match="nor a file torch.save writes"):
         check(plan, "checkpoint", {"path": tmp_path / "notes.txt"})
+
+
+# -- what b35 broke: a checkpoint of another thing, masters by name, tied tensors ---------------
+
+def test_an_optimizers_state_dict_is_one_error_saying_what_it_is(tmp_path: Path) -> None:
+    """0.4 listed every model tensor as missing and every moment as unexpected (2 warnings,
+    exit status 0): a load of this file into the model loads nothing."""
+    _, plan = masters_plan()
+    plain = Net()
+    adam = torch.optim.Adam(plain.parameters())
+    plain(torch.randn(2, 8)).sum().backward()
+    adam.step()
+    torch.save(adam.state_dict(), tmp_path / "optim.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "optim.pt"})
+    assert [(f.severity, f.code) for f in found] == [("error", "checkpoint-foreign")]
+    assert "none of the model's 8 tensor(s)" in found[0].message
+    assert "an optimizer's state_dict" in found[0].message
+    fresh, _ = masters_plan()
+    loaded = fresh.load_state_dict(torch.load(tmp_path / "optim.pt"), strict=False)
+    assert len(loaded.missing_keys) == 8  # what a load of it does
+
+
+class Nested(nn.Module):
+    """`block.fc` before `fc`: a name that ends another ('fc.weight' ends 'block.fc.weight')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Module()
+        self.block.fc = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 4)
+
+
+def test_each_master_is_the_one_saved_under_its_own_name(tmp_path: Path) -> None:
+    """0.4 took the first master whose key ended with the parameter's name: 'fc.weight' was
+    judged by 'block.fc.weight''s bf16 master."""
+    model = apply(Nested(), default="bf16-master")
+    plan = applied_plan(model)
+    assert plan is not None
+    masters = {n: p.detach().to(bf16 if n.startswith("block.") else fp32)
+               for n, p in model.named_parameters()}
+    dcp.save({"model": model.state_dict(),
+              "optim": {"state": {n: {"master": m} for n, m in masters.items()}}},
+             checkpoint_id=str(tmp_path))
+    found = check(plan, "checkpoint", {"path": tmp_path})
+    assert sorted(name for _, code, name in codes(found) if code == "checkpoint-narrowed") == [
+        "block.fc.bias (its master)", "block.fc.weight (its master)"]
+
+
+def test_a_checkpoint_holding_the_model_twice_says_which_copy_it_read(tmp_path: Path) -> None:
+    """An EMA copy saved beside the weights: both prefixes hold every tensor."""
+    model, plan = masters_plan()
+    state = model.state_dict()
+    torch.save({"model": state, "ema": {k: v.to(bf16) for k, v in state.items()}},
+               tmp_path / "ema.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "ema.pt"})
+    (said,) = [f for f in found if f.code == "checkpoint-prefix"]
+    assert said.severity == "info" and "under 2 prefixes ('ema.' and 'model.')" in said.message
+    assert "read those under 'ema.'" in said.message
+
+
+def test_assign_keeps_tied_tensors_in_one_storage_as_plain_torch_does() -> None:
+    """An embedding tied to its head, loaded with assign=True from a state dict that holds the
+    one tensor under both names: torch gives the two modules parameters over one storage
+    (an update of one is an update of the other); 0.4 cast each on its own into two
+    storages, so the tie was silently gone."""
+
+    def tied() -> nn.Module:
+        model = nn.Sequential(nn.Embedding(10, 8), precision(fp32)(nn.LayerNorm(8)),
+                              nn.Linear(8, 10, bias=False))
+        model[2].weight = model[0].weight
+        return model
+
+    source = tied()
+    state = source.state_dict()
+    assert state["0.weight"].data_ptr() == state["2.weight"].data_ptr()
+    plain = tied()
+    plain.load_state_dict(state, assign=True)
+    model = apply(tied(), default="bf16-true")
+    model.load_state_dict(state, assign=True)
+    for loaded in (plain, model):
+        assert loaded[0].weight.data_ptr() == loaded[2].weight.data_ptr()
+    assert model[0].weight.dtype == bf16 and model[1].weight.dtype == fp32
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert torch.equal(model[2].weight, model[0].weight)

@@ -92,17 +92,34 @@ class AppliedState:
         plan's dtype, and the step guard learns the new parameters."""
         named = dict(model.named_modules())
         moved = False
+        cast: dict[tuple[Any, ...], torch.Tensor] = {}  # one cast per tensor the load gave
         for (name, kind, tname), target in self.execution.targets.items():
             module = named.get(name)
             tensor = None if module is None else get_tensor(module, kind, tname)
             if module is not None and tensor is not None and tensor.dtype != target.dtype:
+                key = (*_view(tensor), target.dtype)
+                if key not in cast:
+                    cast[key] = tensor.detach().to(target.dtype)
                 state = ModuleState.of(module) or ModuleState(module, name)
-                state.cast(kind, tname, tensor.detach().to(target.dtype))
+                state.cast(kind, tname, cast[key])
                 moved = True
         if self.wide is not None:
             self.wide.bind(model)
         if moved:
             _STEPS.note([], _planned_updates(self.plan, named))
+
+
+def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors one view of one storage (the tensors `assign=True` puts in tied
+    or shared places), so that each is cast once and the cast ones still share their storage,
+    as the loaded ones did; a tensor without storage (meta, a subclass) is itself."""
+    try:
+        if tensor.device.type != "meta" and type(tensor) in (torch.Tensor, nn.Parameter):
+            return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                    tuple(tensor.shape), tuple(tensor.stride()))
+    except (RuntimeError, NotImplementedError):
+        pass
+    return (id(tensor),)
 
 
 class ReprSuffix:
