@@ -359,3 +359,33 @@ def test_assign_keeps_tied_tensors_in_one_storage_as_plain_torch_does() -> None:
     with torch.no_grad():
         model[0].weight.add_(1.0)
     assert torch.equal(model[2].weight, model[0].weight)
+
+
+def test_assign_into_fp8_all_gather_layers_keeps_the_wrapper_and_the_loaded_values() -> None:
+    """comm=fp8: torchao wraps the weight for FSDP2's fp8 all-gather. assign=True put a plain
+    parameter there; 0.4 left it plain (the fp8 all-gather silently gone) and `remove` then gave
+    back the weight from before the load (the loaded values lost). Judged against apply on a
+    model that loaded the same state dict before it was applied."""
+    pytest.importorskip("torchao")
+    from precision_annot import annotate, remove
+
+    def fp8_model() -> nn.Module:
+        model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))
+        annotate(model, {nn.Linear: "compute=fp8,comm=fp8"})
+        return model
+
+    state = fp8_model().state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchao's import notes
+        model = apply(fp8_model(), default="bf16-mixed")
+        model.load_state_dict(state, assign=True)
+        reference = fp8_model()
+        reference.load_state_dict(state)
+        apply(reference, default="bf16-mixed")
+    for i in (0, 2):
+        assert type(model[i].weight) is type(reference[i].weight)
+        assert type(model[i].weight).__name__ != "Parameter"
+    x = torch.randn(4, 32)
+    assert torch.equal(model(x), reference(x))
+    remove(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())

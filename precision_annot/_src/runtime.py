@@ -103,6 +103,8 @@ class AppliedState:
                 state = ModuleState.of(module) or ModuleState(module, name)
                 state.cast(kind, tname, cast[key])
                 moved = True
+        for held in filter(None, map(ModuleState.of, named.values())):
+            moved = held.rewrap_loaded_weight() or moved
         if self.wide is not None:
             self.wide.bind(model)
         if moved:
@@ -247,6 +249,27 @@ class ModuleState:
                     tensor.grad = grad.to(getattr(tensor, "grad_dtype", None) or value.dtype)
         else:
             set_tensor(module, kind, name, value)
+
+    def rewrap_loaded_weight(self) -> bool:
+        """After `load_state_dict(assign=True)`: a converted layer whose weight torchao wrapped
+        for FSDP2's fp8 all-gather (comm=fp8) holds the plain parameter the load gave it. Wrap
+        that one as `apply` wrapped the first (torchao's own conversion, on a meta Linear
+        sharing the parameters), and keep it as the weight `remove` gives back, so that neither
+        the fp8 all-gather nor the loaded values are lost. True when it wrapped one."""
+        converted, module = self.converted, self.module
+        weight = module._parameters.get("weight")
+        if converted is None or converted.weight is None or weight is None \
+                or type(weight) not in (torch.Tensor, nn.Parameter):
+            return False
+        assert isinstance(module, nn.Linear)
+        with torch.device("meta"):
+            plain = nn.Linear(module.in_features, module.out_features, bias=False)
+        plain.weight = weight
+        plain.bias = module.bias
+        new = float8.build(plain, converted.gemm, self.name)
+        converted.weight = weight
+        module._parameters["weight"] = new._parameters["weight"]
+        return True
 
     def convert(self, gemm: float8.Gemm) -> None:
         """Turn this Linear into torchao's fp8 module for `gemm`, in place."""
