@@ -117,7 +117,7 @@ def test_an_index_naming_absent_or_no_shards_is_refused_naming_them(tmp_path: Pa
         with pytest.raises(ValueError, match="needs a 'weight_map' object"):
             saved_tensors(index)
     index.write_text("not json")
-    with pytest.raises(ValueError, match="is not a safetensors index: not JSON"):
+    with pytest.raises(ValueError, match="is not a checkpoint index: not JSON"):
         saved_tensors(index)
 
 
@@ -254,3 +254,24 @@ def test_dcp_data_without_its_metadata_is_said_to_be_an_unfinished_save(tmp_path
     (tmp_path / ".metadata").unlink()
     with pytest.raises(ValueError, match=r"holds DCP data files \(\*.distcp\) but no .metadata"):
         check(applied(), "checkpoint", {"path": tmp_path})
+
+
+def test_a_hugging_face_checkpoint_of_bin_shards_is_read_by_its_index(tmp_path: Path) -> None:
+    """The layout of checkpoints older transformers saved (and many on the hub hold):
+    `pytorch_model-0000N-of-0000M.bin` torch.save shards and `pytorch_model.bin.index.json`, or
+    one `pytorch_model.bin`. 0.4 refused the directory ("without a checkpoint this reads")."""
+    model = applied()
+    state = model.state_dict()
+    names = list(state)
+    shards = {"pytorch_model-00001-of-00002.bin": names[:4],
+              "pytorch_model-00002-of-00002.bin": names[4:]}
+    (tmp_path / "sharded").mkdir()
+    for shard, keys in shards.items():
+        torch.save({k: state[k] for k in keys}, tmp_path / "sharded" / shard)
+    (tmp_path / "sharded" / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}))
+    (tmp_path / "single").mkdir()
+    torch.save(state, tmp_path / "single" / "pytorch_model.bin")
+    for where in ("sharded", "single"):
+        assert saved_tensors(tmp_path / where) == read(model), where
+        assert check(model, "checkpoint", {"path": tmp_path / where}) == [], where

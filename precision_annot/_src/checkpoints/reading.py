@@ -3,7 +3,8 @@
 - `torch.distributed.checkpoint`: a directory with a `.metadata` file, read as DCP's own reader
   reads it but with only DCP's metadata classes allowed (no other code of the file runs).
 - safetensors: a `.safetensors` file (its JSON header), a `*.safetensors.index.json` index of
-  shards, or a directory holding either (Hugging Face's `save_pretrained`).
+  shards, or a directory holding either (Hugging Face's `save_pretrained`); a directory of
+  `pytorch_model*.bin` files (or their `*.bin.index.json`), read as `torch.save` files.
 - `torch.save`: a zip file, read from its pickle record alone (`data.pkl`), or a file in the
   legacy format (`_use_new_zipfile_serialization=False`), read from its pickles before the
   storages: tensors are seen by their dtype and shape (tensor subclasses such as torchao's by
@@ -71,21 +72,24 @@ def saved_tensors(path: str | os.PathLike[str]) -> dict[str, Saved]:
     if not where.is_file():
         raise ValueError(f"checkpoint: no file or directory at {str(path)!r}.")
     if where.name.endswith(".index.json"):
-        return _safetensors_index(where)
-    if where.suffix == ".safetensors":
-        return _safetensors(where)
-    return _torch_save(where)
+        return _index(where)
+    return _file(where)
+
+
+def _file(where: Path) -> dict[str, Saved]:
+    return _safetensors(where) if where.suffix == ".safetensors" else _torch_save(where)
 
 
 def _directory(where: Path, path: str | os.PathLike[str]) -> dict[str, Saved]:
     if (where / ".metadata").is_file():
         return _dcp(where)
-    indexes = sorted(where.glob("*.safetensors.index.json"))
-    if indexes:
-        return _safetensors_index(indexes[0])
-    files = sorted(where.glob("*.safetensors"))
-    if files:
-        return {k: v for f in files for k, v in _safetensors(f).items()}
+    for pattern in ("safetensors", "bin"):  # Hugging Face's layouts, safetensors first
+        indexes = sorted(where.glob(f"*.{pattern}.index.json"))
+        if indexes:
+            return _index(indexes[0])
+        files = sorted(where.glob(f"*.{pattern}"))
+        if files:
+            return {k: v for f in files for k, v in _file(f).items()}
     if any(where.glob("*.distcp")):
         raise ValueError(
             f"checkpoint: {str(path)!r} holds DCP data files (*.distcp) but no .metadata file, "
@@ -93,7 +97,8 @@ def _directory(where: Path, path: str | os.PathLike[str]) -> dict[str, Saved]:
             "file was not copied), and dcp.load refuses it too.")
     raise ValueError(
         f"checkpoint: {str(path)!r} is a directory without a checkpoint this reads: a DCP "
-        "checkpoint (a .metadata file), *.safetensors files or a *.safetensors.index.json.")
+        "checkpoint (a .metadata file), *.safetensors files or a *.safetensors.index.json, or "
+        "Hugging Face's *.bin files or their *.bin.index.json.")
 
 
 # -- DCP ----------------------------------------------------------------------------------------
@@ -195,18 +200,18 @@ def _entry(file: Path, key: str, item: object) -> Saved:
     return Saved(SAFETENSORS_DTYPES.get(dtype), tuple(shape))
 
 
-def _safetensors_index(index: Path) -> dict[str, Saved]:
+def _index(index: Path) -> dict[str, Saved]:
     """The shards an index names, each header read once."""
     try:
         data = json.loads(index.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"checkpoint: {str(index)!r} is not a safetensors index: not JSON "
+        raise ValueError(f"checkpoint: {str(index)!r} is not a checkpoint index: not JSON "
                          f"({e}).") from e
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()):
         raise ValueError(
-            f"checkpoint: {str(index)!r} is not a safetensors index: it needs a 'weight_map' "
+            f"checkpoint: {str(index)!r} is not a checkpoint index: it needs a 'weight_map' "
             "object of tensor names to shard files, as save_pretrained writes it.")
     shards = sorted(set(weight_map.values()))
     absent = [s for s in shards if not (index.parent / s).is_file()]
@@ -217,8 +222,8 @@ def _safetensors_index(index: Path) -> dict[str, Saved]:
             f"{', ...' if len(absent) > 6 else ''}): a load of it fails too. Copy every shard "
             "next to the index.")
     out: dict[str, Saved] = {}
-    for shard in shards:
-        out.update(_safetensors(index.parent / shard))
+    for shard in shards:  # safetensors shards, or torch.save ones (pytorch_model-*.bin)
+        out.update(_file(index.parent / shard))
     return {k: out[k] for k in weight_map if k in out}
 
 
