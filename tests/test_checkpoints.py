@@ -389,3 +389,26 @@ def test_assign_into_fp8_all_gather_layers_keeps_the_wrapper_and_the_loaded_valu
     assert torch.equal(model(x), reference(x))
     remove(model)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_a_floating_tensor_saved_as_integers_or_complex_is_an_error(tmp_path: Path) -> None:
+    """What torch does with each, by hand: int8 codes and bools are copied in as numbers and a
+    complex value loses its imaginary part, silently; a quantized tensor is refused. 0.4
+    compared floating dtypes only, and said nothing of any of them."""
+    model, plan = masters_plan()
+    state = dict(model.state_dict())
+    state["up.weight"] = torch.randint(-8, 8, (16, 8), dtype=torch.int8)
+    state["up.bias"] = torch.ones(16, dtype=torch.bool)
+    state["down.bias"] = torch.ones(8, dtype=torch.complex64)
+    torch.save(state, tmp_path / "codes.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "codes.pt"})
+    kinds = {name: f.message for f in found for s, c, name in codes([f])
+             if c == "checkpoint-kind"}
+    assert set(kinds) == {"up.weight", "up.bias", "down.bias"}
+    assert "as values, silently" in kinds["up.weight"]
+    assert "imaginary part away" in kinds["down.bias"]
+    fresh, _ = masters_plan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own complex-to-real note
+        fresh.load_state_dict(state)
+    assert torch.equal(fresh.up.weight, state["up.weight"].to(bf16))  # the codes, as values

@@ -140,6 +140,8 @@ def _tensor(name: str, dtype: torch.dtype, want: _Planned, master: Saved | None,
     out = []
     if want.info.dtype.is_floating_point and dtype.is_floating_point:
         out += _compare(name, dtype, want.keep, where, widened)
+    elif want.info.dtype.is_floating_point:
+        out.append(_kind(name, dtype, want.keep, where))
     if want.master is not None:
         if master is not None and master.dtype is not None:
             out += _compare(f"{name} (its master)", master.dtype, want.master, where, {})
@@ -167,6 +169,22 @@ def _compare(name: str, dtype: torch.dtype, keep: torch.dtype, where: str,
         "gone.",
         "Load it from a checkpoint saved as the plan keeps it (the applied model's own "
         "state_dict, adapters.transformers.save_pretrained), or accept the rounding.")]
+
+
+def _kind(name: str, dtype: torch.dtype, keep: torch.dtype, where: str) -> Finding:
+    """A floating tensor of the model saved as integers, bools, complex or quantized values."""
+    quantized = dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2)
+    does = ("load_state_dict refuses it (\"Copying from quantized Tensor to non-quantized "
+            "Tensor is not allowed\")" if quantized else
+            "load_state_dict copies the imaginary part away, silently" if dtype.is_complex else
+            "load_state_dict copies the stored numbers into it as values, silently (no scale: "
+            "a quantized checkpoint's codes, not its weights)")
+    return Finding(
+        "error", "checkpoint-kind", _module(name),
+        f"{where} holds {name!r} in {dtype_name(dtype)}, and the model holds it as a floating "
+        f"tensor ({dtype_name(keep)}): {does}.",
+        "Load it with the loader that wrote it (it dequantizes), or from a floating "
+        "checkpoint.")
 
 
 def _shape(name: str, got: Saved, want: _Planned, where: str) -> Finding:
