@@ -412,3 +412,21 @@ def test_a_floating_tensor_saved_as_integers_or_complex_is_an_error(tmp_path: Pa
         warnings.simplefilter("ignore")  # torch's own complex-to-real note
         fresh.load_state_dict(state)
     assert torch.equal(fresh.up.weight, state["up.weight"].to(bf16))  # the codes, as values
+
+
+def test_masters_saved_by_parameter_index_are_counted_not_called_missing(tmp_path: Path) -> None:
+    """`torch.save({"model": ..., "optimizer": optimizer.state_dict()})` keys the state by the
+    parameter's index (`optimizer.state.0.master`): 0.4 warned that the checkpoint held no
+    masters at all. Their dtypes are compared as a whole."""
+    model, plan = masters_plan()
+    weights = [p for p in model.parameters() if p.dtype == bf16]
+    for dtype, expected in ((fp32, ("info", "checkpoint-masters-by-index")),
+                            (bf16, ("error", "checkpoint-narrowed"))):
+        state = {i: {"master": p.detach().to(dtype), "exp_avg": torch.zeros_like(p)}
+                 for i, p in enumerate(weights)}
+        torch.save({"model": model.state_dict(),
+                    "optimizer": {"state": state, "param_groups": [{"params": [0, 1, 2, 3]}]}},
+                   tmp_path / "run.pt")
+        found = check(plan, "checkpoint", {"path": tmp_path / "run.pt"})
+        assert [(f.severity, f.code) for f in found] == [expected], dtype
+        assert "4 master copies keyed by the optimizer's parameter index" in found[0].message

@@ -128,7 +128,7 @@ def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: 
                 continue
             out += _tensor(name, got.dtype, want, masters.get(name), where, widened, no_master)
     out += _widened(widened, where) + _missing(missing, where) + _no_masters(
-        plan, no_master, planned, where)
+        plan, no_master, planned, where, _indexed_masters(saved))
     out += _unexpected(planned, saved, prefix, where)
     return out
 
@@ -217,12 +217,21 @@ def _missing(missing: list[str], where: str) -> list[Finding]:
         "on purpose.", tuple(dict.fromkeys(_module(n) for n in missing)))]
 
 
+def _indexed_masters(saved: Mapping[str, Saved]) -> list[Saved]:
+    """Master copies keyed by the optimizer's parameter index (`state.3.master`: a `torch.save`
+    of `optimizer.state_dict()`), which name no parameter."""
+    return [v for k, v in saved.items()
+            if k.endswith(".master") and k.rsplit(".", 2)[-2].isdigit()]
+
+
 def _no_masters(plan: PrecisionPlan, names: list[str], planned: Mapping[str, _Planned],
-                where: str) -> list[Finding]:
+                where: str, indexed: list[Saved]) -> list[Finding]:
     if not names:
         return []
     want = planned[names[0]].master
     assert want is not None
+    if indexed:
+        return [_by_index(names, want, indexed, where)]
     return [Finding(
         "warning", "checkpoint-no-masters", _module(names[0]) if len(names) == 1 else "",
         f"{where} holds no master copy for {len(names)} parameter(s) whose plan keeps "
@@ -231,6 +240,29 @@ def _no_masters(plan: PrecisionPlan, names: list[str], planned: Mapping[str, _Pl
         "held below the weights' precision.",
         "To resume exactly, save the optimizer's state (its masters) with the model; to start "
         "from the weights, nothing to do.", tuple(dict.fromkeys(_module(n) for n in names)))]
+
+
+def _by_index(names: list[str], want: torch.dtype, indexed: list[Saved], where: str
+              ) -> Finding:
+    """Masters saved by index: their dtypes are compared as a whole, not by parameter."""
+    dtypes = sorted({m.dtype for m in indexed if m.dtype is not None}, key=str)
+    narrow = [d for d in dtypes if d != want and not wider(d, want)]
+    said = (f"{where} holds {len(indexed)} master copies keyed by the optimizer's parameter "
+            f"index (a torch.save of optimizer.state_dict()), in "
+            f"{', '.join(map(dtype_name, dtypes)) or 'no dtype read'}, so they are not matched "
+            f"to the {len(names)} parameter(s) whose plan keeps {dtype_name(want)} masters "
+            f"({listing(names)})")
+    if narrow:
+        return Finding("error", "checkpoint-narrowed", "",
+                       f"{said}; those in {', '.join(map(dtype_name, narrow))} are narrower than "
+                       "the plan keeps them: a resumed run widens them with their rounding.",
+                       "Save the optimizer's masters in the dtype the plan keeps them.",
+                       tuple(dict.fromkeys(_module(n) for n in names)))
+    return Finding("info", "checkpoint-masters-by-index", "",
+                   f"{said}; none is narrower than the plan keeps them.",
+                   "To have each compared by name, save with torch.distributed.checkpoint's "
+                   "get_state_dict (its optimizer state is keyed by parameter name).",
+                   tuple(dict.fromkeys(_module(n) for n in names)))
 
 
 def _unexpected(planned: Mapping[str, _Planned], saved: Mapping[str, Saved], prefix: str,
