@@ -852,3 +852,62 @@ def test_watch_under_gradient_checkpointing_has_the_rows_of_a_plain_step(reentra
     assert len(same) > len(plain.outputs) / 2
     for name in same:  # the same values, measured once
         assert checkpointed_record.outputs[name].amax == plain.outputs[name].amax, name
+
+
+def test_check_reads_a_hugging_face_checkpoint_by_the_names_transformers_loads_it_as(
+        tmp_path: Path) -> None:
+    """transformers renames keys on load: ViT's saved `encoder.layer.0.attention.attention.query`
+    is the model's `layers.0.attention.q_proj`, and a hub-layout Mixtral's per-expert
+    `block_sparse_moe.experts.3.w1` fuses into `mlp.experts.gate_up_proj`. 0.4 reported every
+    renamed tensor missing and every saved key unexpected (32 + 32 for this ViT); given the
+    model, check reads each key as from_pretrained does. Given only the plan it cannot."""
+    from safetensors.torch import save_file
+
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=32, image_size=16, patch_size=8)
+    vit = transformers.ViTModel(cfg)
+    annotate(vit, {nn.LayerNorm: "fp32"})
+    apply(vit, default="bf16")
+    vit.save_pretrained(tmp_path / "vit")
+    from precision_annot import check
+
+    assert check(vit, "checkpoint", {"path": tmp_path / "vit"}) == []
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2))
+    annotate(mixtral, {"model.layers.*.mlp.gate": "fp32"})
+    apply(mixtral, default="bf16")
+    hub: dict[str, torch.Tensor] = {}  # the layout of Mixtral's hub checkpoints, all bf16
+    for key, value in mixtral.state_dict().items():
+        if ".mlp.experts." not in key:
+            hub[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value.to(bf16)
+    for layer in range(2):
+        for e in range(4):
+            at = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            hub[f"{at}.w1.weight"] = hub[f"{at}.w3.weight"] = torch.zeros(64, 32, dtype=bf16)
+            hub[f"{at}.w2.weight"] = torch.zeros(32, 64, dtype=bf16)
+    (tmp_path / "hub").mkdir()
+    save_file({k: v.clone() for k, v in hub.items()}, str(tmp_path / "hub" / "model.safetensors"))
+    mixtral.config.save_pretrained(tmp_path / "hub")
+    found = check(mixtral, "checkpoint", {"path": tmp_path / "hub"})
+    assert [(f.severity, f.code, f.modules) for f in found] == [
+        ("error", "checkpoint-narrowed", (f"model.layers.{i}.mlp.gate",)) for i in range(2)]
+    loaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hub")  # what it reads
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)
+
+
+@pytest.mark.slow  # a Llama saved and loaded: 4-11 s
+def test_from_pretrained_in_fp16_reads_back_what_fp16_cannot_hold(tmp_path: Path) -> None:
+    """`from_pretrained(..., dtype=torch.float16)` of a bf16 plan: fp16 has bf16's bits but not
+    its range, so bf16 weights below fp16's normal range came back rounded; 0.4 read back only
+    tensors planned wider than the load's dtype, and said nothing."""
+    model, _ = annotated("llama")
+    apply(model, default="bf16")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1e-4)  # fp16 subnormals
+    hf.save_pretrained(model, tmp_path)
+    loaded = hf.from_pretrained(type(model), tmp_path, dtype=torch.float16)
+    for name, p in model.named_parameters():
+        assert loaded.get_parameter(name).dtype == p.dtype
+        assert torch.equal(loaded.get_parameter(name), p), name

@@ -295,6 +295,22 @@ class FSDPChecks(CheckBackend):
     """`check(..., "fsdp")` (FSDP2) and `check(..., "fsdp1")`: the units `fully_shard` (or
     `wrap_policy`) would make, or those of a model already sharded."""
 
+    def options(self, config: Any) -> Any:
+        options = super().options(config)
+        units = (options or {}).get("units")
+        if units is not None and (isinstance(units, (str, bytes)) or not isinstance(
+                units, (list, tuple, set, frozenset))):
+            raise TypeError(
+                "check: config 'units' is a list of selectors as fully_shard takes them (module "
+                "names or globs, module classes, predicates), e.g. ['blocks.*']. Received: "
+                f"units={units!r} (of type {type(units).__name__})")
+        orig = (options or {}).get("use_orig_params", False)
+        if not isinstance(orig, bool):
+            raise TypeError("check: config 'use_orig_params' is FSDP1's flag, True or False. "
+                            f"Received: use_orig_params={orig!r} (of type "
+                            f"{type(orig).__name__})")
+        return options
+
     def run(self, given: Subject, options: Any) -> Checked:
         plan, model = given.plan, given.model
         settings = self.without_loop(options)
