@@ -103,7 +103,7 @@ def test_loop_keys_are_read_only_for_a_backend_that_declares_them() -> None:
 @pytest.mark.parametrize(("backend", "config", "said"), [
     ("local", {"grad_scaler": "yes"}, "'grad_scaler' is True when the training loop scales"),
     ("ddp", {"grad_scaler": 1}, "Received: grad_scaler=1 (of type int)"),
-    ("fsdp", {"units": "blocks.*"}, "'units' is a list of selectors as fully_shard takes them"),
+    ("fsdp", {"units": "blocks.*"}, "'units' is a list of selectors as annotate takes them"),
     ("fsdp", {"units": 3}, "Received: units=3 (of type int)"),
     ("fsdp1", {"use_orig_params": "no"}, "'use_orig_params' is FSDP1's flag, True or False"),
 ])

@@ -329,3 +329,15 @@ def test_two_ranks_load_a_bf16_checkpoint_into_the_sharded_fp32_router_and_resum
         assert resumed == uninterrupted
         assert {n: p["dtype"] for n, p in resumed.items()} == planned
         assert r["resume"]["moments"] == planned  # torch's AdamW: moments in each shard's dtype
+
+
+def test_fully_shard_refuses_units_given_as_one_string_or_a_number() -> None:
+    from precision_annot.adapters.fsdp import unit_names
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plan = resolve(model)
+    for bad in ("0", 3):
+        with pytest.raises(TypeError, match=r"fully_shard: units is a list of selectors.*"
+                                            rf"Received: units={bad!r}"):
+            unit_names(plan, model, bad)  # type: ignore[arg-type]
+    assert "0" in unit_names(plan, model, ["0"])

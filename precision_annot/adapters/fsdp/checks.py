@@ -35,6 +35,7 @@ from precision_annot.adapters.fsdp.export import (
     mixed_units,
     plan_name,
     plan_units,
+    selectors,
     unit_names,
 )
 
@@ -298,12 +299,8 @@ class FSDPChecks(CheckBackend):
     def options(self, config: Any) -> Any:
         options = super().options(config)
         units = (options or {}).get("units")
-        if units is not None and (isinstance(units, (str, bytes)) or not isinstance(
-                units, (list, tuple, set, frozenset))):
-            raise TypeError(
-                "check: config 'units' is a list of selectors as fully_shard takes them (module "
-                "names or globs, module classes, predicates), e.g. ['blocks.*']. Received: "
-                f"units={units!r} (of type {type(units).__name__})")
+        if units is not None:
+            selectors(units, "check: config 'units'")
         orig = (options or {}).get("use_orig_params", False)
         if not isinstance(orig, bool):
             raise TypeError("check: config 'use_orig_params' is FSDP1's flag, True or False. "
