@@ -3,6 +3,7 @@ styles' arithmetic on one rank, and real gloo runs on 2 and 4 ranks (tests/worke
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -34,7 +35,7 @@ from precision_annot import (
 from precision_annot.adapters import tp
 from precision_annot.adapters.tp.styles import wide_mm
 from tests.helpers import launch
-from tests.workers.tp import Blocks, Embedded, Routed, mlp_plan
+from tests.workers.tp import Blocks, Embedded, Routed, full, mlp_plan
 
 
 def run_ranks(mode: str, tmp_path: Path, ranks: int, *args: str) -> list[dict[str, Any]]:
@@ -201,6 +202,25 @@ def test_planned_styles_compute_and_round_as_written_by_hand(group: None) -> Non
     assert down.weight.grad.dtype == fp32  # gradients land in storage
 
 
+def test_row_parallel_output_fp32_is_one_ranks_rounded_output(group: None) -> None:
+    """`output=fp32` on a bf16 row-parallel Linear: one rank's GEMM rounds to bf16 and the
+    boundary casts that; the planned style rounds its fp32 sum the same way (it handed the
+    unrounded fp32 sum back, 3e-4 from one rank on 2 ranks, its gradients 2e-3)."""
+    torch.manual_seed(0)
+    model = Blocks(1, 8, 16)
+    annotate(model, {nn.Linear: "comm=fp32", "blocks.0.down": "output=fp32"})
+    apply(model, default="bf16-mixed")
+    one = copy.deepcopy(model)
+    tp.parallelize_module(model, init_device_mesh("cpu", (1,)), mlp_plan(1))
+    x = torch.randn(4, 8)
+    got, want = model(x), one(x)
+    assert got.dtype == want.dtype == fp32 and torch.equal(got, want)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
+        assert torch.equal(full(p.grad), q.grad), name
+
+
 def test_parallelize_block_by_block_uses_the_models_plan(group: None) -> None:
     """torchtitan parallelizes each block on its own: the block's decisions come from the
     plan applied to the whole model, under the block's own names."""
@@ -272,6 +292,13 @@ def test_tp2_with_comm_fp32_equals_one_rank(tmp_path: Path) -> None:
     assert audited["placements"] == {"weight": "S(1)", "bias": "R"}
     assert rank["bf16_audit"]["down_reduced"] == ["bf16"]
     assert rank["fp32_bytes"] == 2 * rank["bf16_bytes"]
+    # sequence parallel: the row-parallel bias's gradient is a partial sum on each rank,
+    # reduced in fp32 before its one rounding to bf16 (rounded per rank first: 2.5e-3 off)
+    ours, torchs = rank["sequence"]["ours"], rank["sequence"]["torch"]
+    assert ours["out"] == 0.0 and max(ours.values()) < 1e-6, ours
+    assert torchs["out"] > 1e-3 and torchs["blocks.0.down.bias"] > 1e-3, torchs
+    # the gather of a gathered fp32 island's output is not an op autocast could change
+    assert rank["sequence"]["gathered_divergences"] == []
 
 
 @pytest.mark.slow
