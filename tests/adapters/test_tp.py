@@ -221,6 +221,24 @@ def test_row_parallel_output_fp32_is_one_ranks_rounded_output(group: None) -> No
         assert torch.equal(full(p.grad), q.grad), name
 
 
+def test_partial_sums_between_fp16_and_bf16_are_rounded_once_to_comm(group: None) -> None:
+    """bf16 compute with comm=fp16: each partial sum is computed in fp32 and rounded once to
+    fp16 (it was computed in bf16, so its fp16 sum held bf16's precision only)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16))
+    annotate(model, {nn.Linear: "comm=fp16"})
+    apply(model, default="bf16-mixed")
+    w, b = (t.detach().clone() for t in (model[0].weight, model[0].bias))
+    tp.parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": RowwiseParallel()})
+    x = torch.randn(32, 8)
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(bf16).to(fp32)
+
+    want = ((r(x) @ r(w).t()).to(torch.float16).to(fp32) + r(b)).to(bf16)
+    assert torch.equal(model(x), want)
+
+
 def test_parallelize_block_by_block_uses_the_models_plan(group: None) -> None:
     """torchtitan parallelizes each block on its own: the block's decisions come from the
     plan applied to the whole model, under the block's own names."""

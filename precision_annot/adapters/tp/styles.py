@@ -94,6 +94,16 @@ def wide_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a.to(acc) @ b.to(acc)
 
 
+def _acc(compute: torch.dtype, comm: torch.dtype) -> torch.dtype:
+    """The dtype partial sums are computed in before their one rounding to `comm`: the wider of
+    the two; fp32 where they are fp16 and bf16 (neither holds the other: computed in one and
+    rounded to the other, a partial sum would be rounded twice, and overflow fp16's range
+    where bf16's holds it)."""
+    if {compute, comm} == {torch.float16, torch.bfloat16}:
+        return torch.float32
+    return cast(torch.dtype, widest((compute, comm)))
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -169,7 +179,7 @@ def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
         input, st.mesh, (Shard(-1),), run_check=False)
     weight, bias = module.weight, module.bias
     compute = _gemm_dtype(x)
-    acc = cast(torch.dtype, widest((compute, st.comm)))
+    acc = _acc(compute, st.comm)
     device = x.device.type
     with torch.autocast(device, enabled=False):
         xl = x.to_local().to(compute)  # the rounding autocast would do
@@ -211,7 +221,7 @@ class _ColLinear(torch.autograd.Function):
         g = _flat(grad)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            acc = cast(torch.dtype, widest((wc.dtype, st.comm)))
+            acc = _acc(wc.dtype, st.comm)
             partial = wide_mm(g.to(wc.dtype), wc, acc).reshape(xc.shape)
             reduced = _partial(partial.to(st.comm), st.mesh).redistribute(
                 st.mesh, (ctx.layout,)).to_local()
