@@ -30,6 +30,7 @@ from precision_annot import (
     bf16,
     check,
     fp32,
+    precision,
     resolve,
 )
 from precision_annot.adapters import tp
@@ -253,6 +254,22 @@ def test_parallelize_block_by_block_uses_the_models_plan(group: None) -> None:
         "blocks.1.up": "ColwiseParallel", "blocks.1.down": "RowwiseParallel"}
     assert tp.reduced_in(model.blocks[1]) == {"blocks.1.up": bf16, "blocks.1.down": bf16}
     model(torch.randn(4, 16)).float().sum().backward()
+
+
+def test_parallelize_a_block_of_an_unapplied_model_warns(group: None) -> None:
+    """A block parallelized before the model's plan is applied cannot see the plan set above
+    it: it got its own (empty) plan and torch's bf16-free styles, silently."""
+    mesh = init_device_mesh("cpu", (1,))
+    block_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    model = precision("bf16-mixed")(Blocks(2, 16, 32))  # set on the model, not applied
+    with pytest.warns(UserWarning, match=r"no precision plan is applied to this Block .*"
+                      r"no compute dtype for 'up' and 'down'.*apply\(model, \.\.\.\)"):
+        tp.parallelize_module(model.blocks[0], mesh, block_plan)
+    applied = apply(precision("bf16-mixed")(Blocks(2, 16, 32)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tp.parallelize_module(applied.blocks[0], mesh, block_plan)
+    assert type(tp.styles(applied)["blocks.0.up"]).__name__ == "PlannedColwiseParallel"
 
 
 def test_parallelize_module_errors_and_warnings(group: None) -> None:
