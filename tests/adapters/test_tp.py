@@ -284,6 +284,14 @@ def test_parallelize_module_errors_and_warnings(group: None) -> None:
     assert not isinstance(model.blocks[0].up.weight, DTensor)
     with pytest.raises(ValueError, match="plan is not the plan of a model holding"):
         tp.parallelize_module(model, mesh, mlp_plan(1), plan=resolve(Blocks(1, 16, 32)))
+    model.extra = nn.Linear(16, 16)  # added after apply
+    with pytest.raises(ValueError, match=r"names 'extra', which the precision plan does not "
+                       r"hold .*apply\(model\)"):
+        tp.parallelize_module(model, mesh, {"extra": ColwiseParallel()})
+    assert not isinstance(model.extra.weight, DTensor)
+    apply(model)
+    tp.parallelize_module(model, mesh, {"extra": ColwiseParallel()})
+    assert isinstance(model.extra.weight, DTensor)
 
 
 def test_audit_reads_placements(group: None) -> None:
