@@ -200,7 +200,7 @@ def sequence(mesh: DeviceMesh) -> dict[str, Any]:
     column-parallel output is gathered in TP's output hook."""
     torch.manual_seed(0)
     base = Blocks(1, 16, 32, norm=True)
-    x = torch.randn(4, 6, 16)
+    x = torch.randn(4, 8, 16)
     world, rank = mesh.size(), mesh.get_local_rank()
 
     def planned() -> nn.Module:
@@ -586,6 +586,40 @@ def replicated_grads(mesh: DeviceMesh) -> dict[str, Any]:
             "agree": all(torch.equal(everyone[0], w) for w in everyone)}
 
 
+def inductor(mesh: DeviceMesh, outdir: Path) -> dict[str, Any]:
+    """Sequence parallel (a row-parallel bias, an fp32 LayerNorm), comm=fp32, compiled with
+    inductor against eager: inductor skips a bf16 rounding whose result a fused kernel reads
+    (the planned styles' roundings, and every boundary's exit cast), unless
+    `emulate_precision_casts` is set. Gaps (output, gradients) for both settings."""
+    import torch._inductor.config as inductor_config
+
+    # each rank its own cache: two ranks compiling one kernel wait on one file lock
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(outdir / f"inductor{dist.get_rank()}")
+    torch.manual_seed(0)
+    base = Blocks(1, 16, 32, norm=True)
+    x = torch.randn(4, 8, 16).chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+
+    def build() -> nn.Module:
+        model = copy.deepcopy(base)
+        annotate(model, {nn.LayerNorm: "fp32", nn.Linear: "comm=fp32"})
+        apply(model, default="bf16-mixed")
+        return tp.parallelize_module(model, mesh, sp_plan(1))
+
+    eager = step(build(), x)
+    out = {}
+    saved = inductor_config.emulate_precision_casts
+    try:
+        for emulate in (False, True):
+            inductor_config.emulate_precision_casts = emulate
+            torch._dynamo.reset()
+            model = build()
+            got = step_fn(model, torch.compile(model, fullgraph=True), x)
+            out[str(emulate)] = [gap(got[0], eager[0]), grad_gap(got[1], eager[1])]
+    finally:
+        inductor_config.emulate_precision_casts = saved
+    return out
+
+
 def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     """What users run around a model: a Llama, torch.compile(fullgraph=True), activation
     checkpointing, a forward without gradients, torch.distributed.checkpoint."""
@@ -626,6 +660,7 @@ def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     other.load_state_dict(state)
     return {
         "replicated": replicated_grads(mesh),
+        "inductor": inductor(mesh, Path(args[0])),
         "llama": llama(mesh),
         "compiled": bool(torch.equal(got[0], eager[0]))
         and all(torch.equal(got[1][k], eager[1][k]) for k in eager[1]),
