@@ -51,11 +51,14 @@ from precision_annot._src.suggest.search import Search, sizes_of, ties_of
 
 
 def require_numbers(tolerance: object, margin: object) -> None:
+    """The tolerance is a relative error: 1 is what an output of zeros measures, so a
+    tolerance of 1 or more would call a plan whose values all flush to zero met."""
     for value, what in ((tolerance, "tolerance"), (margin, "margin")):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-                0 < value < math.inf) or (what == "margin" and value > 1):
-            raise ValueError(f"suggest({what}=...) must be a number above 0"
-                             f"{' and at most 1' if what == 'margin' else ''}. Received: "
+                0 < value < math.inf) or value > 1 or (what == "tolerance" and value == 1):
+            valid = ("above 0 and below 1 (a relative error of 1 is what an output of zeros "
+                     "measures)" if what == "tolerance" else "above 0 and at most 1")
+            raise ValueError(f"suggest({what}=...) must be a number {valid}. Received: "
                              f"{what}={value!r}")
 
 
