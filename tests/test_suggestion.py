@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
+from precision_annot import annotate, applied_plan, apply, bf16, fp16, fp32, resolve
 from precision_annot._src.cli import main
 from precision_annot._src.suggest import Suggestion, suggest
 from tests.helpers import planted_t5
@@ -1117,3 +1117,66 @@ def test_when_every_candidate_was_tried_the_message_says_so() -> None:
     assert isinstance(said, str) and ("was tried as one and did not bring the worst error down "
                                       "by more than 1.4x ('gru', 'head')") in said
     assert "gradients 6.69e+00" in said
+
+
+def test_a_compiled_model_is_checked_eager_without_a_compile_per_check() -> None:
+    """`suggest(torch.compile(model), ...)` (and a model compiled in place, layer by layer, as
+    FSDP2 recipes do) deep-copied the compiled wrapper for every check, so each check compiled
+    again: 46 s for a 3-Linear model whose eager `suggest` takes under 1 s. The checks run the
+    model inside, eager; the plan is the same, and fits the compiled model."""
+    from torch._dynamo.utils import counters  # dynamo's own count of the frames it compiled
+
+    torch.manual_seed(0)
+    plain = Net(Gained())
+    expected = suggest(copy.deepcopy(plain), sample(), low="16-mixed", loss_fn=mse)
+    wrapped = torch.compile(copy.deepcopy(plain))
+    in_place = copy.deepcopy(plain)
+    in_place.middle.compile()
+    for model in (wrapped, in_place):
+        before = sum(counters["frames"].values())
+        found = suggest(model, sample(), low="16-mixed", loss_fn=mse)
+        assert sum(counters["frames"].values()) == before  # nothing compiled
+        assert found.islands == expected.islands == ["middle"] and found.met
+        assert [c.errors() for c in found.checks] == [c.errors() for c in expected.checks]
+    apply(wrapped, found.plan)  # the plan fits the compiled wrapper: the same names
+    plan = applied_plan(wrapped)
+    assert plan is not None and plan["middle"].policy.compute == fp32
+
+
+def test_the_batch_dimension_is_read_past_scalars_and_broadcast_leading_ones() -> None:
+    """A Hugging Face-style batch whose first value is a 0-dim tensor, or `position_ids` of
+    shape (1, S) broadcast over the batch: 0.4 read the batch's size from that first tensor
+    ("the sample's batch has 0 rows" / "1 rows"), held nothing out and called a plan met on
+    32 sequences unverified. The batch dimension is the first dimension most of the tensors
+    share (a leading 1 only where none is larger); a tensor without it is passed whole."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(64, 16), nn.Embedding(8, 16)
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(self.emb(input_ids) + self.pos(position_ids) * scale)
+            return out
+
+    ids = torch.randint(0, 64, (32, 8), generator=torch.Generator().manual_seed(0))
+    seen: list[int] = []
+
+    def loss(out: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        seen.append(batch["input_ids"].shape[0])
+        assert batch["position_ids"].shape == (1, 8) and batch["scale"].dim() == 0
+        return nn.functional.cross_entropy(out.float().flatten(0, 1), batch["input_ids"].flatten())
+
+    torch.manual_seed(0)
+    for first in ("scale", "position_ids"):
+        batch = {"scale": torch.tensor(0.5), "position_ids": torch.arange(8)[None]}
+        batch = {first: batch.pop(first), **batch, "input_ids": ids}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "too few rows" warning
+            found = suggest(Tokens(), batch, low="bf16", loss_fn=loss)
+        assert found.met and found.verified
+        assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
+        assert sorted(set(seen)) == [8, 16]  # the calibration half and two quarters
+        seen.clear()

@@ -48,6 +48,7 @@ from precision_annot._src.suggest.reference import (
 )
 from precision_annot._src.suggest.report import Sensitivity, Suggestion
 from precision_annot._src.suggest.search import Search, sizes_of, ties_of
+from precision_annot._src.wrappers import unwrap
 
 
 def require_numbers(tolerance: object, margin: object) -> None:
@@ -139,6 +140,9 @@ def suggest(
     """
     start = time.perf_counter()
     require_module(model, "suggest")
+    # the model inside DDP, torch.compile, ...: every check runs a copy of it, and a copy of a
+    # compiled wrapper compiles again on every check (the plan fits the wrapper all the same)
+    model = unwrap(model)
     policy, island = low_policies(low)
     low_dtype = policy.compute
     assert low_dtype is not None
