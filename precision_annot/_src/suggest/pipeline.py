@@ -103,13 +103,13 @@ def suggest(
             `sample` is the batch that output came from (a part of `sample`, or a held-out
             batch); with it the backward is checked too, and for fp16 the gradients that would
             underflow at a dynamic loss scale are measured. (Default: None)
-        tolerance: the largest relative error allowed, end to end, on held-out batches; the
-            calibration batch is held to `margin` times it. None takes 2e-2 for fp16, 1e-1 for
-            bf16 and 2e-1 for fp8 (the calibration batch then at 1e-2, 5e-2 and 1e-1).
-            (Default: None)
-        held_out: batches to verify the plan on. None cuts `sample` along its first dimension:
-            the first half calibrates, the second half (in two) is held out; [] holds nothing
-            out. (Default: None)
+        tolerance: the largest relative error allowed, end to end, on held-out batches, above
+            0 and below 1 (1 is what an output of zeros measures); the calibration batch is
+            held to `margin` times it. None takes 2e-2 for fp16, 1e-1 for bf16 and 2e-1 for
+            fp8 (the calibration batch then at 1e-2, 5e-2 and 1e-1). (Default: None)
+        held_out: batches to verify the plan on. None cuts `sample` along its batch dimension
+            (the first dimension most of its tensors share): the first half calibrates, the
+            second half (in two) is held out; [] holds nothing out. (Default: None)
         margin: the share of the tolerance the calibration batch is held to, and the share
             of the low dtype's largest value its module outputs held in that dtype may reach,
             so that the plan keeps room on batches it was not chosen on. (Default: 0.5)
