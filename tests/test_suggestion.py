@@ -1070,6 +1070,16 @@ def test_a_plan_whose_run_raises_makes_the_module_that_raised_an_island_or_says_
     assert [c.islands for c in root.checks if c.sample == "calibration"] == [()]
     assert root.final.raised_in == "" and root.final.to_dict()["raised_in"] == ""
 
+    class Checked(nn.Linear):  # code that refuses a dtype with an error of its own
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != torch.float32:
+                raise TypeError(f"takes float32, got {x.dtype}")
+            return super().forward(x)
+
+    model = nn.Sequential(nn.Linear(16, 16), Checked(16, 16), nn.Linear(16, 4))
+    found = suggest(model, batch[:, 0], low="bf16-mixed", loss_fn=mse)  # 0.4: raw TypeError
+    assert found.met and found.islands == ["1"] and found.checks[0].raised_in == "1"
+
 
 def test_a_tolerance_of_1_or_more_is_refused_and_an_error_past_1_is_called_useless() -> None:
     """A relative error of 1 is what an output of zeros measures. 0.4 took tolerance=2.5 and

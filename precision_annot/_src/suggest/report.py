@@ -73,7 +73,7 @@ class Check:
         fp32_params: the parameter elements its islands hold.
         outputs: the islands that hand their output back in fp32.
         crashed: the error the plan's run raised (a caller that cannot take an island's fp32
-            output, in a model without autocast), or None.
+            output, in a model without autocast; code that refuses the low dtype), or None.
         raised_in: the module in whose own code the run raised ("" for the root), or None (it
             did not raise, or raised outside every module: in `loss_fn` or the backward).
         crowded: on the calibration batch, the first module whose output, held in the low

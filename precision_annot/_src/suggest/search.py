@@ -164,7 +164,8 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
         with (tracker if watch else contextlib.nullcontext()), (
                 mode if watch else contextlib.nullcontext()), room:
             _compare(search, model, sample, errors)
-    except RuntimeError as e:  # the plan itself fails (an fp32 output its caller cannot take)
+    except Exception as e:  # the plan itself fails: an fp32 output its caller cannot take, a
+        # dtype an op or the model's own code refuses (any exception: a check of its own)
         crashed = f"{type(e).__name__}: {e}"[:300]
         raised_in = _raised_in(e, {m: n for n, m in model.named_modules()})
         errors[0] = math.inf
