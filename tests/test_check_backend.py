@@ -98,3 +98,19 @@ def test_loop_keys_are_read_only_for_a_backend_that_declares_them() -> None:
         keys = None
 
     assert Own().loop({"optimizer": {"type": "AdamW"}}) == {}
+
+
+@pytest.mark.parametrize(("backend", "config", "said"), [
+    ("local", {"grad_scaler": "yes"}, "'grad_scaler' is True when the training loop scales"),
+    ("ddp", {"grad_scaler": 1}, "Received: grad_scaler=1 (of type int)"),
+    ("fsdp", {"units": "blocks.*"}, "'units' is a list of selectors as annotate takes them"),
+    ("fsdp", {"units": 3}, "Received: units=3 (of type int)"),
+    ("fsdp1", {"use_orig_params": "no"}, "'use_orig_params' is FSDP1's flag, True or False"),
+])
+def test_a_config_value_of_the_wrong_type_is_refused_naming_it(
+        backend: str, config: dict[str, Any], said: str) -> None:
+    """0.4 took a truthy string for grad_scaler=True and use_orig_params=True, iterated a units
+    string letter by letter ("the name 'b' matches no module"), and raised "'int' object is not
+    iterable" for units=3."""
+    with pytest.raises(TypeError, match=re.escape(said)):
+        check(model(), backend, config)

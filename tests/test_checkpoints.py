@@ -272,17 +272,16 @@ def test_bad_checkpoint_configs_name_what_is_valid(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no file or directory at"):
         check(plan, "checkpoint", {"path": tmp_path / "gone"})
     (tmp_path / "notes.txt").write_text("hello")
-    with pytest.raises(ValueError, match="zip-format torch.save file"):
+    with pytest.raises(ValueError, match="nor a file torch.save writes"):
         check(plan, "checkpoint", {"path": tmp_path / "notes.txt"})
 
 
-def test_the_optimizers_own_state_dict_holds_the_masters_the_check_looks_for(
+def test_masters_are_found_by_name_in_dcp_and_in_an_optimizer_state_dict_with_param_names(
         tmp_path: Path) -> None:
-    """A training checkpoint as users write it: `torch.save` of the model's state dict and
-    the optimizer's own `state_dict()` (state by parameter index), or DCP's
-    `get_optimizer_state_dict` (state by name), or the state dict of an optimizer given named
-    parameters in another order (its groups' `param_names`): the masters are found in each, so
-    no 'no masters' warning; the model alone still gets it."""
+    """A training checkpoint as users write it: DCP's `get_optimizer_state_dict` (state by
+    name), or the state dict of an optimizer given named parameters, in another order than
+    the model's (its groups' `param_names`): each master is found and compared by name; a
+    `torch.save`d `optimizer.state_dict()` without names is compared as a whole."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     import precision_annot as pa
@@ -291,28 +290,183 @@ def test_the_optimizers_own_state_dict_holds_the_masters_the_check_looks_for(
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-3)
     model(torch.randn(4, 8, dtype=bf16)).float().sum().backward()
     opt.step()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "a.pt")
     dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)},
              checkpoint_id=str(tmp_path / "dcp"))
-    # as torch writes it for an optimizer given named parameters, the order another one
+    assert check(plan, "checkpoint", {"path": tmp_path / "dcp"}) == []
     names = [n for n, _ in model.named_parameters()][::-1]
-    reordered = {"state": {k: opt.state_dict()["state"][len(names) - 1 - k]
-                           for k in range(len(names))},
-                 "param_groups": [{**opt.state_dict()["param_groups"][0],
-                                   "params": list(range(len(names))), "param_names": names}]}
-    torch.save({"model": model.state_dict(), "optimizer": reordered}, tmp_path / "n.pt")
-    for path in ("a.pt", "dcp", "n.pt"):
-        assert check(plan, "checkpoint", {"path": tmp_path / path}) == [], path
-    # the masters saved in bf16 are found, and named, under the optimizer's indices
-    state = opt.state_dict()
-    for entry in state["state"].values():
-        if "master" in entry:
-            entry["master"] = entry["master"].to(bf16)
-    torch.save({"model": model.state_dict(), "optimizer": state}, tmp_path / "b.pt")
+
+    def named(masters: torch.dtype) -> dict[str, Any]:
+        state = opt.state_dict()
+        entries = {k: dict(state["state"][len(names) - 1 - k]) for k in range(len(names))}
+        for entry in entries.values():
+            if "master" in entry:
+                entry["master"] = entry["master"].to(masters)
+        return {"state": entries, "param_groups": [{**state["param_groups"][0], "params": list(
+            range(len(names))), "param_names": names}]}
+
+    torch.save({"model": model.state_dict(), "optimizer": named(fp32)}, tmp_path / "n.pt")
+    assert check(plan, "checkpoint", {"path": tmp_path / "n.pt"}) == []
+    torch.save({"model": model.state_dict(), "optimizer": named(bf16)}, tmp_path / "b.pt")
     found = check(plan, "checkpoint", {"path": tmp_path / "b.pt"})
     assert sorted(name for _, _, name in codes(found)) == [
         "down.bias (its master)", "down.weight (its master)", "up.bias (its master)",
         "up.weight (its master)"]
-    torch.save({"model": model.state_dict()}, tmp_path / "m.pt")
-    assert [f.code for f in check(plan, "checkpoint", {"path": tmp_path / "m.pt"})] == [
-        "checkpoint-no-masters"]
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "a.pt")
+    assert [f.code for f in check(plan, "checkpoint", {"path": tmp_path / "a.pt"})] == [
+        "checkpoint-masters-by-index"]
+
+
+# -- what b35 broke: a checkpoint of another thing, masters by name, tied tensors ---------------
+
+def test_an_optimizers_state_dict_is_one_error_saying_what_it_is(tmp_path: Path) -> None:
+    """0.4 listed every model tensor as missing and every moment as unexpected (2 warnings,
+    exit status 0): a load of this file into the model loads nothing."""
+    _, plan = masters_plan()
+    plain = Net()
+    adam = torch.optim.Adam(plain.parameters())
+    plain(torch.randn(2, 8)).sum().backward()
+    adam.step()
+    torch.save(adam.state_dict(), tmp_path / "optim.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "optim.pt"})
+    assert [(f.severity, f.code) for f in found] == [("error", "checkpoint-foreign")]
+    assert "none of the model's 8 tensor(s)" in found[0].message
+    assert "an optimizer's state_dict" in found[0].message
+    fresh, _ = masters_plan()
+    loaded = fresh.load_state_dict(torch.load(tmp_path / "optim.pt"), strict=False)
+    assert len(loaded.missing_keys) == 8  # what a load of it does
+
+
+class Nested(nn.Module):
+    """`block.fc` before `fc`: a name that ends another ('fc.weight' ends 'block.fc.weight')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Module()
+        self.block.fc = nn.Linear(4, 4)
+        self.fc = nn.Linear(4, 4)
+
+
+def test_each_master_is_the_one_saved_under_its_own_name(tmp_path: Path) -> None:
+    """0.4 took the first master whose key ended with the parameter's name: 'fc.weight' was
+    judged by 'block.fc.weight''s bf16 master."""
+    model = apply(Nested(), default="bf16-master")
+    plan = applied_plan(model)
+    assert plan is not None
+    masters = {n: p.detach().to(bf16 if n.startswith("block.") else fp32)
+               for n, p in model.named_parameters()}
+    dcp.save({"model": model.state_dict(),
+              "optim": {"state": {n: {"master": m} for n, m in masters.items()}}},
+             checkpoint_id=str(tmp_path))
+    found = check(plan, "checkpoint", {"path": tmp_path})
+    assert sorted(name for _, code, name in codes(found) if code == "checkpoint-narrowed") == [
+        "block.fc.bias (its master)", "block.fc.weight (its master)"]
+
+
+def test_a_checkpoint_holding_the_model_twice_says_which_copy_it_read(tmp_path: Path) -> None:
+    """An EMA copy saved beside the weights: both prefixes hold every tensor."""
+    model, plan = masters_plan()
+    state = model.state_dict()
+    torch.save({"model": state, "ema": {k: v.to(bf16) for k, v in state.items()}},
+               tmp_path / "ema.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "ema.pt"})
+    (said,) = [f for f in found if f.code == "checkpoint-prefix"]
+    assert said.severity == "info" and "under 2 prefixes ('ema.' and 'model.')" in said.message
+    assert "read those under 'ema.'" in said.message
+
+
+def test_assign_keeps_tied_tensors_in_one_storage_as_plain_torch_does() -> None:
+    """An embedding tied to its head, loaded with assign=True from a state dict that holds the
+    one tensor under both names: torch gives the two modules parameters over one storage
+    (an update of one is an update of the other); 0.4 cast each on its own into two
+    storages, so the tie was silently gone."""
+
+    def tied() -> nn.Module:
+        model = nn.Sequential(nn.Embedding(10, 8), precision(fp32)(nn.LayerNorm(8)),
+                              nn.Linear(8, 10, bias=False))
+        model[2].weight = model[0].weight
+        return model
+
+    source = tied()
+    state = source.state_dict()
+    assert state["0.weight"].data_ptr() == state["2.weight"].data_ptr()
+    plain = tied()
+    plain.load_state_dict(state, assign=True)
+    model = apply(tied(), default="bf16-true")
+    model.load_state_dict(state, assign=True)
+    for loaded in (plain, model):
+        assert loaded[0].weight.data_ptr() == loaded[2].weight.data_ptr()
+    assert model[0].weight.dtype == bf16 and model[1].weight.dtype == fp32
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    assert torch.equal(model[2].weight, model[0].weight)
+
+
+def test_assign_into_fp8_all_gather_layers_keeps_the_wrapper_and_the_loaded_values() -> None:
+    """comm=fp8: torchao wraps the weight for FSDP2's fp8 all-gather. assign=True put a plain
+    parameter there; 0.4 left it plain (the fp8 all-gather silently gone) and `remove` then gave
+    back the weight from before the load (the loaded values lost). Judged against apply on a
+    model that loaded the same state dict before it was applied."""
+    pytest.importorskip("torchao")
+    from precision_annot import annotate, remove
+
+    def fp8_model() -> nn.Module:
+        model = nn.Sequential(nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32))
+        annotate(model, {nn.Linear: "compute=fp8,comm=fp8"})
+        return model
+
+    state = fp8_model().state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torchao's import notes
+        model = apply(fp8_model(), default="bf16-mixed")
+        model.load_state_dict(state, assign=True)
+        reference = fp8_model()
+        reference.load_state_dict(state)
+        apply(reference, default="bf16-mixed")
+    for i in (0, 2):
+        assert type(model[i].weight) is type(reference[i].weight)
+        assert type(model[i].weight).__name__ != "Parameter"
+    x = torch.randn(4, 32)
+    assert torch.equal(model(x), reference(x))
+    remove(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+def test_a_floating_tensor_saved_as_integers_or_complex_is_an_error(tmp_path: Path) -> None:
+    """What torch does with each, by hand: int8 codes and bools are copied in as numbers and a
+    complex value loses its imaginary part, silently; a quantized tensor is refused. 0.4
+    compared floating dtypes only, and said nothing of any of them."""
+    model, plan = masters_plan()
+    state = dict(model.state_dict())
+    state["up.weight"] = torch.randint(-8, 8, (16, 8), dtype=torch.int8)
+    state["up.bias"] = torch.ones(16, dtype=torch.bool)
+    state["down.bias"] = torch.ones(8, dtype=torch.complex64)
+    torch.save(state, tmp_path / "codes.pt")
+    found = check(plan, "checkpoint", {"path": tmp_path / "codes.pt"})
+    kinds = {name: f.message for f in found for s, c, name in codes([f])
+             if c == "checkpoint-kind"}
+    assert set(kinds) == {"up.weight", "up.bias", "down.bias"}
+    assert "as values, silently" in kinds["up.weight"]
+    assert "imaginary part away" in kinds["down.bias"]
+    fresh, _ = masters_plan()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own complex-to-real note
+        fresh.load_state_dict(state)
+    assert torch.equal(fresh.up.weight, state["up.weight"].to(bf16))  # the codes, as values
+
+
+def test_masters_saved_by_parameter_index_are_counted_not_called_missing(tmp_path: Path) -> None:
+    """`torch.save({"model": ..., "optimizer": optimizer.state_dict()})` keys the state by the
+    parameter's index (`optimizer.state.0.master`): 0.4 warned that the checkpoint held no
+    masters at all. Their dtypes are compared as a whole."""
+    model, plan = masters_plan()
+    weights = [p for p in model.parameters() if p.dtype == bf16]
+    for dtype, expected in ((fp32, ("info", "checkpoint-masters-by-index")),
+                            (bf16, ("error", "checkpoint-narrowed"))):
+        state = {i: {"master": p.detach().to(dtype), "exp_avg": torch.zeros_like(p)}
+                 for i, p in enumerate(weights)}
+        torch.save({"model": model.state_dict(),
+                    "optimizer": {"state": state, "param_groups": [{"params": [0, 1, 2, 3]}]}},
+                   tmp_path / "run.pt")
+        found = check(plan, "checkpoint", {"path": tmp_path / "run.pt"})
+        assert [(f.severity, f.code) for f in found] == [expected], dtype
+        assert "4 master copies keyed by the optimizer's parameter index" in found[0].message

@@ -323,3 +323,44 @@ def test_check_reads_a_checkpoint_before_it_is_loaded(tmp_path: Path,
     assert main(["check", target, "--default", "bf16-true", "--backend", "checkpoint",
                  "--config", config]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_check_tp_from_the_command_line_names_its_styles(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0.4 gave `check --backend tp` the plan of a model it had already dropped ("this plan
+    holds none"), and JSON cannot hold torch's ParallelStyle objects: the command could never
+    check a TP plan. Styles are named as in the Python API's classes or their short names."""
+    (tmp_path / "islands.py").write_text(ISLANDS)
+    target = f"{tmp_path / 'islands.py'}:make"
+    config = json.dumps({"parallelize_plan": {"0": "colwise", "2": "RowwiseParallel",
+                                              "nope": "colwise"}, "tp_degree": 2})
+    assert main(["check", target, "--default", "bf16-true", "--backend", "tp", "--config",
+                 config, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [(f["severity"], f["code"]) for f in found if f["code"].startswith("tp-")] == [
+        ("warning", "tp-plan-unmatched")]
+    bad = json.dumps({"parallelize_plan": {"0": "diagonal"}})
+    assert main(["check", target, "--backend", "tp", "--config", bad]) == 2
+    assert "parallelize_plan['0'] names a TP style" in capsys.readouterr().err
+
+
+def test_check_of_a_broken_or_foreign_checkpoint_exits_as_its_findings_say(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A corrupt checkpoint is bad input (exit status 2, one line; 0.4: exit status 3 and a
+    traceback from json/pickle); an optimizer's state dict is an error found (exit status 1;
+    0.4: two warnings, exit status 0)."""
+    (tmp_path / "islands.py").write_text(ISLANDS)
+    target = f"{tmp_path / 'islands.py'}:make"
+    (tmp_path / "bad.safetensors").write_bytes((2**62).to_bytes(8, "little") + b"{}")
+    linear = torch.nn.Linear(2, 2)
+    adam = torch.optim.Adam(linear.parameters())
+    linear(torch.ones(2)).sum().backward()
+    adam.step()
+    torch.save(adam.state_dict(), tmp_path / "optim.pt")
+    capsys.readouterr()
+    assert main(["check", target, "--backend", "checkpoint", "--config",
+                 str(tmp_path / "bad.safetensors")]) == 2
+    assert "is not a safetensors file" in capsys.readouterr().err
+    assert main(["check", target, "--backend", "checkpoint", "--config",
+                 str(tmp_path / "optim.pt")]) == 1
+    assert "[checkpoint-foreign]" in capsys.readouterr().out

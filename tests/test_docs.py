@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -36,6 +38,9 @@ def test_code_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyP
         if used and importlib.util.find_spec(package) is None:
             pytest.skip(f"{package} is not installed")
     monkeypatch.chdir(tmp_path)
+    # the pages' one-process groups take MASTER_PORT with setdefault: a free one here, so that
+    # another run on this machine holding a page's port does not fail this one
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     if "accelerate" in sys.modules:  # Accelerate keeps one global state per process
         sys.modules["accelerate"].state.AcceleratorState._reset_state(reset_partial_state=True)
     namespace: dict[str, object] = {}

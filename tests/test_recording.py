@@ -204,3 +204,87 @@ def test_a_data_parallel_replica_is_recorded_as_its_module_and_a_deep_copy_is_no
     outs, _ = record(model, run)
     assert [r.key for r, _ in outs] == [("0", 0, 0), ("1", 0, 0), ("", 0, 0)]
     torch.testing.assert_close(outs[0][1], model[0](x))
+
+
+class Learned(nn.Module):
+    """A learned positional table handed out as it is: the module returns its parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.table
+
+
+class WithTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = Learned()
+        self.lin = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lin(x + self.pos())
+        return out
+
+
+def test_a_parameter_a_module_returns_keeps_no_gradient_hook_after_the_recorder_closes() -> None:
+    """A gradient hook on a parameter stays on it for good: 0.4 left one per sampled step,
+    each firing on every later backward into the closed step's lists (5 steps: 5 hooks)."""
+    torch.manual_seed(0)
+    model = WithTable()
+    for _ in range(5):
+        _, grads = record(model, lambda: model(torch.randn(2, 4)).sum().backward())
+        assert [r.key for r, _ in grads if r.name == "pos"] == [("pos", 0, 0)]
+    assert not model.pos.table._backward_hooks
+    model(torch.randn(2, 4)).sum().backward()  # a later step: nothing fires
+    assert len([r for r, _ in grads if r.name == "pos"]) == 1
+    with pa.watch(model, every=1, warn=False) as w:
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            w.step()
+    assert not model.pos.table._backward_hooks
+    assert [r.grads["pos"].tensors for r in w.history] == [1, 1, 1]
+
+
+def test_a_batch_made_under_inference_mode_is_recorded_as_any_other() -> None:
+    """An input made under torch.inference_mode (a frozen encoder's output, a preprocessed
+    batch) has no version counter: plain PyTorch trains on it, 0.4's watch and diff raised
+    RuntimeError reading it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 1))
+    model[0].requires_grad_(False)  # a frozen first layer: torch needs none of its input saved
+    with torch.inference_mode():
+        x = torch.randn(3, 4)
+    outs, _ = record(model, lambda: model(x).sum().backward(), training_only=True)
+    assert [r.key for r, _ in outs] == [("0", 0, 0), ("2", 0, 0), ("", 0, 0)]
+    with pa.watch(model, every=1, warn=False) as w:
+        model(x).sum().backward()
+        record_ = w.step()
+    assert record_ is not None and set(record_.outputs) == {"0", "2", ""}
+    assert pa.diff(model, x).first is None
+
+
+def test_reentrant_checkpointing_called_from_the_loop_is_recorded_from_its_run_in_backward(
+        ) -> None:
+    """`checkpoint(model, x, use_reentrant=True)` in the training loop runs the model under
+    no_grad outside any module's forward, which training_only took for an evaluation: 0.4
+    recorded nothing of the step. The run in backward (the same values) is the call now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(2, 4, requires_grad=True)
+    plain_outs, plain_grads = record(model, lambda: model(x).sum().backward(),
+                                     training_only=True)
+
+    def checkpointed() -> None:
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=True)
+        out.sum().backward()
+
+    outs, grads = record(model, checkpointed, training_only=True)
+    assert [r.key for r, _ in outs] == [r.key for r, _ in plain_outs]
+    for (_, got), (_, want) in zip(outs, plain_outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert {r.key for r, _ in grads} == {r.key for r, _ in plain_grads}
+    want_grads = {r.key: g for r, g in plain_grads}
+    for r, g in grads:
+        torch.testing.assert_close(g, want_grads[r.key], rtol=0, atol=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from precision_annot import annotate, apply, bf16, fp16, fp32, resolve
+from precision_annot import annotate, applied_plan, apply, bf16, fp16, fp32, resolve
 from precision_annot._src.cli import main
 from precision_annot._src.suggest import Suggestion, suggest
 from tests.helpers import planted_t5
@@ -1028,3 +1028,165 @@ def test_a_check_that_ended_finite_is_answered_by_error_not_by_what_its_watch_sa
     move = _next_island(search, batch, {"x": False}, broken, {}, measure, 65504.0, 1e-2)
     assert not isinstance(move, str) and move.target == "a" and called == []
     assert move.reason == "a non-finite value arose in it"
+
+
+class MaskedScores(nn.Module):
+    """Attention scores plus a causal mask the forward makes in fp32: under fp16 storage (no
+    autocast) the fp32 scores meet fp16 values in a matmul, which raises."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        mask = torch.full((s, s), -math.inf).triu(1)
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1]) + mask
+        out: torch.Tensor = scores.softmax(-1) @ self.v(x)
+        return out
+
+
+def test_a_plan_whose_run_raises_makes_the_module_that_raised_an_island_or_says_so() -> None:
+    """Under fp16 storage a module whose own code makes an fp32 tensor and multiplies it with
+    an fp16 one raises (no autocast casts it). 0.4 read the raise as an error of inf, measured
+    every module alone and tried three islands by error, each raising the same way, and said
+    "3 islands chosen by their error in a row did not halve the worst error (from inf: inf)",
+    hiding the error. The module in whose code it raised becomes an island; where that is the
+    root, the message names the error and no island is tried."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), MaskedScores(), nn.Linear(16, 4))
+    batch = torch.randn(32, 6, 16, generator=torch.Generator().manual_seed(0))
+    found = suggest(model, batch, low="fp16", loss_fn=mse)
+    assert found.met and found.islands == ["1"]
+    assert found.reasons["1"] == "the plan's run raised in its own code"
+    first = found.checks[0]
+    assert first.raised_in == "1" and "same dtype" in (first.crashed or "")
+    assert "modules alone (forward)" not in found.runs  # nothing measured alone for it
+    with pytest.warns(UserWarning, match=r"No plan short of the whole model.*raised in the "
+                      r"model's own code \(the root, which cannot be an island\): RuntimeError: "
+                      r"expected m1 and m2 to have the same dtype.*'16-mixed'"):
+        root = suggest(MaskedScores(), batch, low="fp16", loss_fn=mse)
+    assert not root.met and root.islands == []
+    assert [c.islands for c in root.checks if c.sample == "calibration"] == [()]
+    assert root.final.raised_in == "" and root.final.to_dict()["raised_in"] == ""
+
+    class Checked(nn.Linear):  # code that refuses a dtype with an error of its own
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != torch.float32:
+                raise TypeError(f"takes float32, got {x.dtype}")
+            return super().forward(x)
+
+    model = nn.Sequential(nn.Linear(16, 16), Checked(16, 16), nn.Linear(16, 4))
+    found = suggest(model, batch[:, 0], low="bf16-mixed", loss_fn=mse)  # 0.4: raw TypeError
+    assert found.met and found.islands == ["1"] and found.checks[0].raised_in == "1"
+
+
+def test_a_tolerance_of_1_or_more_is_refused_and_an_error_past_1_is_called_useless() -> None:
+    """A relative error of 1 is what an output of zeros measures. 0.4 took tolerance=2.5 and
+    called a plan whose fp16 weights flush to zero (every output 0) met; and where nothing met,
+    it told the user to "use it at a tolerance of 39" for an MoE whose gradients were 39 times
+    as large as fp32's."""
+    model = nn.Linear(8, 2, bias=False)
+    with torch.no_grad():
+        model.weight.mul_(1e-9)  # below fp16's smallest subnormal: zero in fp16
+    for tolerance in (1, 2.5):
+        with pytest.raises(ValueError, match=r"tolerance=.*above 0 and below 1.*relative error "
+                           r"of 1 is what an output of zeros measures"):
+            suggest(model, sample(), low="fp16", tolerance=tolerance)
+    import types
+
+    from precision_annot._src.suggest.outcome import _nearest_message
+    from precision_annot._src.suggest.report import Check
+
+    search = types.SimpleNamespace(tolerance=2e-2, sizes={"": 100})
+    far = Check(("gate",), ("gate",), 2e-4, 1e-6, 39.4, None, False, "held-out 1", 2e-2, 1)
+    said = _nearest_message(search, dataclasses.replace(far, grad_error=1e-2), [far])  # type: ignore[arg-type]
+    assert "its worst error is 3.94e+01" in said and "tolerance of 39" not in said
+    assert "no closer to fp32 than zeros" in said and "keep the model in fp32" in said
+    near = _nearest_message(search, far, [dataclasses.replace(far, grad_error=3e-2)])  # type: ignore[arg-type]
+    assert "Use it at a tolerance of 39" not in near
+    ok = dataclasses.replace(far, grad_error=3e-2)
+    assert "Use it at a tolerance of 0.03 or more" in _nearest_message(search, ok, [ok])  # type: ignore[arg-type]
+
+
+def test_when_every_candidate_was_tried_the_message_says_so() -> None:
+    """An LSTM behind a Linear scaled past fp16: with the Linear handing back fp32 and the
+    LSTM an island, the GRU and the head were each tried by error and not kept. 0.4 said only
+    that every module "is an island already, holds one, or could not be run alone", which
+    is not why the search stopped."""
+    from precision_annot._src.suggest.choose import _by_error
+    from precision_annot._src.suggest.report import Check, Sensitivity
+
+    def row(name: str, error: float) -> Sensitivity:
+        return Sensitivity(name=name, type="T", params=1, error=error, nonfinite=False,
+                           peak=1.0, headroom=0.0)
+
+    table = [row("rnn", 0.2), row("gru", 0.1), row("inp", 0.05), row("head", 0.01)]
+    last = Check(("inp", "rnn"), ("inp",), 8.6e-3, 2.6e-3, 6.69, None, False, limit=1e-2)
+    said = _by_error({"inp": True, "rnn": False}, last, table, 1e-2, broke={"gru", "head"})
+    assert isinstance(said, str) and ("was tried as one and did not bring the worst error down "
+                                      "by more than 1.4x ('gru', 'head')") in said
+    assert "gradients 6.69e+00" in said
+
+
+def test_a_compiled_model_is_checked_eager_without_a_compile_per_check() -> None:
+    """`suggest(torch.compile(model), ...)` (and a model compiled in place, layer by layer, as
+    FSDP2 recipes do) deep-copied the compiled wrapper for every check, so each check compiled
+    again: 46 s for a 3-Linear model whose eager `suggest` takes under 1 s. The checks run the
+    model inside, eager; the plan is the same, and fits the compiled model."""
+    from torch._dynamo.utils import counters  # dynamo's own count of the frames it compiled
+
+    torch.manual_seed(0)
+    plain = Net(Gained())
+    expected = suggest(copy.deepcopy(plain), sample(), low="16-mixed", loss_fn=mse)
+    wrapped = torch.compile(copy.deepcopy(plain))
+    in_place = copy.deepcopy(plain)
+    in_place.middle.compile()
+    for model in (wrapped, in_place):
+        before = sum(counters["frames"].values())
+        found = suggest(model, sample(), low="16-mixed", loss_fn=mse)
+        assert sum(counters["frames"].values()) == before  # nothing compiled
+        assert found.islands == expected.islands == ["middle"] and found.met
+        assert [c.errors() for c in found.checks] == [c.errors() for c in expected.checks]
+    apply(wrapped, found.plan)  # the plan fits the compiled wrapper: the same names
+    plan = applied_plan(wrapped)
+    assert plan is not None and plan["middle"].policy.compute == fp32
+
+
+def test_the_batch_dimension_is_read_past_scalars_and_broadcast_leading_ones() -> None:
+    """A Hugging Face-style batch whose first value is a 0-dim tensor, or `position_ids` of
+    shape (1, S) broadcast over the batch: 0.4 read the batch's size from that first tensor
+    ("the sample's batch has 0 rows" / "1 rows"), held nothing out and called a plan met on
+    32 sequences unverified. The batch dimension is the first dimension most of the tensors
+    share (a leading 1 only where none is larger); a tensor without it is passed whole."""
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(64, 16), nn.Embedding(8, 16)
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(self.emb(input_ids) + self.pos(position_ids) * scale)
+            return out
+
+    ids = torch.randint(0, 64, (32, 8), generator=torch.Generator().manual_seed(0))
+    seen: list[int] = []
+
+    def loss(out: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        seen.append(batch["input_ids"].shape[0])
+        assert batch["position_ids"].shape == (1, 8) and batch["scale"].dim() == 0
+        return nn.functional.cross_entropy(out.float().flatten(0, 1), batch["input_ids"].flatten())
+
+    torch.manual_seed(0)
+    for first in ("scale", "position_ids"):
+        batch = {"scale": torch.tensor(0.5), "position_ids": torch.arange(8)[None]}
+        batch = {first: batch.pop(first), **batch, "input_ids": ids}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "too few rows" warning
+            found = suggest(Tokens(), batch, low="bf16", loss_fn=loss)
+        assert found.met and found.verified
+        assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
+        assert sorted(set(seen)) == [8, 16]  # the calibration half and two quarters
+        seen.clear()

@@ -574,6 +574,13 @@ def _operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
     return [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
 
 
+def _collective(func: Any) -> bool:
+    """Whether `func` is a collective (DTensor's, in a tensor-parallel hook: an all-gather moves
+    data, a reduction's dtype is recorded as a reduction), which autocast never changes."""
+    packet = getattr(func, "overloadpacket", func)
+    return str(getattr(packet, "_qualified_op_name", "")).startswith(("_c10d_functional", "c10d"))
+
+
 class _AutocastState(TorchFunctionMode):
     """Records the autocast state each module's own code runs under (seen above dispatch,
     where autocast has not yet changed it)."""
@@ -589,7 +596,8 @@ class _AutocastState(TorchFunctionMode):
         out = func(*args, **kwargs)
         tracker = self.tracker
         name = getattr(func, "__name__", "")
-        if not tracker.stack or name in _CASTS or name in DATA_MOVEMENT or name in _VIEWS:
+        if (not tracker.stack or name in _CASTS or name in DATA_MOVEMENT or name in _VIEWS
+                or _collective(func)):
             return out
         if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
             return out

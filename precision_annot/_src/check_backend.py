@@ -112,6 +112,11 @@ class CheckBackend:
         if config.get("fp8", "apply") not in FP8_CONVERTERS:
             raise ValueError(f"check: config 'fp8' says who converts the fp8 layers, one of "
                              f"{list(FP8_CONVERTERS)}. Received: fp8={config['fp8']!r}")
+        if not isinstance(config.get("grad_scaler", False), bool):
+            raise TypeError("check: config 'grad_scaler' is True when the training loop scales "
+                            "the loss, else False. Received: grad_scaler="
+                            f"{config['grad_scaler']!r} (of type "
+                            f"{type(config['grad_scaler']).__name__})")
         return dict(config)
 
     def loop(self, options: Any) -> dict[str, Any]:

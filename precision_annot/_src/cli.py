@@ -248,37 +248,64 @@ def _cmd_watch_report(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> Any:
-    """--config: a JSON object written inline ('{"units": ["blocks.*"]}'), or a file: DeepSpeed
-    reads its file itself (JSON or hjson), the checkpoint backend takes the checkpoint's path;
-    the others take a JSON object."""
+    """--config: JSON written inline ('{"units": ["blocks.*"]}'), or a file: DeepSpeed reads
+    its file itself (JSON or hjson), the checkpoint backend takes the checkpoint's path; the
+    others take a JSON object. For tp, the TP plan's styles are named (`_TP_STYLES`)."""
     if args.config is None:
         return None
-    if args.config.lstrip().startswith("{"):
+    if args.config.lstrip().startswith(("{", "[")):
         try:
-            return json.loads(args.config)
+            config = json.loads(args.config)
         except json.JSONDecodeError as e:
             raise CLIError(f"--config: not a JSON object: {e}. Received: {args.config!r}") from e
-    if args.backend == "checkpoint":  # the checkpoint itself: a file or a DCP directory
+    elif args.backend == "checkpoint":  # the checkpoint itself: a file or a DCP directory
         return {"path": args.config}
-    if not Path(args.config).is_file():
+    elif not Path(args.config).is_file():
         raise CLIError(f"--config: no file at {args.config!r}.")
-    if args.backend == "deepspeed":
+    elif args.backend == "deepspeed":
         return args.config
-    try:
-        return json.loads(Path(args.config).read_text())
-    except OSError as e:
-        raise CLIError(f"Cannot read {args.config!r}: {e.strerror or e}") from e
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{args.config}: not JSON: {e}") from e
+    else:
+        try:
+            config = json.loads(Path(args.config).read_text())
+        except OSError as e:
+            raise CLIError(f"Cannot read {args.config!r}: {e.strerror or e}") from e
+        except json.JSONDecodeError as e:
+            raise CLIError(f"{args.config}: not JSON: {e}") from e
+    return _tp_styles(config) if args.backend == "tp" else config
+
+
+#: the TP styles a JSON config names, as torch's classes (or their short names)
+_TP_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel",
+              "sequence_parallel": "SequenceParallel"}
+
+
+def _tp_styles(config: Any) -> Any:
+    """A tp config with its `parallelize_plan` written in JSON ({"blocks.0.up": "colwise"}):
+    each style name made the torch style it names."""
+    tp_plan = config.get("parallelize_plan") if isinstance(config, dict) else None
+    if not isinstance(tp_plan, dict):
+        return config
+    from torch.distributed.tensor import parallel  # deferred: only tp needs it
+
+    styles = {}
+    for key, name in tp_plan.items():
+        cls = _TP_STYLES.get(name, name) if isinstance(name, str) else ""
+        if cls not in _TP_STYLES.values():
+            raise CLIError(
+                f"--config: parallelize_plan[{key!r}] names a TP style: one of "
+                f"{sorted([*_TP_STYLES, *_TP_STYLES.values()])}. Received: {name!r}")
+        styles[key] = getattr(parallel, cls)()
+    return {**config, "parallelize_plan": styles}
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     config = _check_config(args)
-    target = _check_target(args, config)  # the user's factory raising is exit status 3
+    target, model = _check_target(args)  # the user's factory raising is exit status 3
     try:
         found = check(target, args.backend, config)
     except (TypeError, ValueError) as e:
         raise CLIError(str(e)) from e
+    del model  # held alive while check ran: backends that need the model (tp, units) see it
     if args.json:
         args.emit(json.dumps([f.to_dict() for f in found], indent=2))
     else:
@@ -291,12 +318,20 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if any(f.severity == "error" for f in found) else 0
 
 
-def _check_target(args: argparse.Namespace, config: Any) -> nn.Module | PrecisionPlan:
-    """What `check` looks at: the model itself when the config selects units (by module),
-    else the target's plan."""
-    if not (isinstance(config, dict) and "units" in config and ":" in args.target):
-        return _plan(args)
-    return _model(args)
+def _check_target(args: argparse.Namespace) -> tuple[PrecisionPlan, nn.Module | None]:
+    """What `check` looks at: the target's plan (resolved with `--default`), and its model,
+    which the caller holds while `check` runs so that the plan still reaches it (the modules
+    a `units` config or a TP plan selects, a Hugging Face checkpoint's renamed keys); None for
+    a plan file."""
+    if args.target.endswith(".json") and ":" not in args.target:
+        return _plan(args), None
+    model = load_target(args.target)
+    try:
+        default = None if args.default is None else as_policy(args.default,
+                                                               argument="--default")
+    except (TypeError, ValueError) as e:
+        raise CLIError(str(e)) from e
+    return resolve(model, default), model
 
 
 def _model(args: argparse.Namespace) -> nn.Module:

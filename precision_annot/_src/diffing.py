@@ -23,13 +23,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from precision_annot._src.casting import cast_tree
+from precision_annot._src.casting import cast_tree, map_tree
 from precision_annot._src.dtypes import bf16, dtype_name, fp16, fp32
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.recording import Recorder, Returned, drop_recorders, relative_error
-from precision_annot._src.runtime import apply, plan_of, remove
-from precision_annot._src.samples import as_call, loss_of, scalar_loss
+from precision_annot._src.runtime import ModuleState, apply, plan_of, remove
+from precision_annot._src.samples import as_call, loss_of, projected_loss
 from precision_annot._src.tables import format_table
 from precision_annot._src.wrappers import unwrap
 
@@ -117,30 +117,53 @@ class DiffReport:
 
 
 class _Run:
-    """What one run of the step returned, recorded by the one `Recorder`: each floating
-    tensor every call of every module returned, and its gradient, in float64, by
-    (module, call, index); the tensors in the forward's order, the gradients in the
-    backward's."""
+    """What one run of the step returned, recorded by the one `Recorder`, by (module, call,
+    index): the tensors in the forward's order, the gradients in the backward's.
 
-    def __init__(self, model: nn.Module) -> None:
+    The plan's run keeps a copy of each tensor and gradient (in its own dtype); the fp32 run,
+    given that run as `against`, measures each of its own against it as it comes and keeps
+    only the error, so that a step's outputs are held once, not twice, nor in float64."""
+
+    def __init__(self, model: nn.Module, against: _Run | None = None) -> None:
+        self.against = against
         self.order: list[Returned] = []
         self.outputs: dict[tuple[str, int, int], torch.Tensor] = {}
         self.grads: dict[tuple[str, int, int], torch.Tensor] = {}
         self.grad_order: list[Returned] = []
+        #: the fp32 run's errors against `against`, by key (None: not measured)
+        self.errors: dict[tuple[str, int, int], float | None] = {}
+        self.grad_errors: dict[tuple[str, int, int], float | None] = {}
+        #: the fp32 run's tensors of another shape than the plan's run's: the runs took other
+        #: paths there (a router sent other tokens to an expert)
+        self.unlike: dict[tuple[str, int, int], None] = {}  # (in the forward's order)
         self.recorder = Recorder(dict(model.named_modules()), self._output, self._grad)
 
     def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, args: tuple[Any, ...]
                 ) -> None:
         self.order.append(r)
-        self.outputs[r.key] = (self.outputs[r.same.key] if r.same is not None
-                               else t.detach().double().clone())
+        if self.against is None:
+            self.outputs[r.key] = (self.outputs[r.same.key] if r.same is not None
+                                   else t.detach().clone())
+        elif r.same is not None:
+            self.errors[r.key] = self.errors[r.same.key]
+        else:
+            got = self.against.outputs.get(r.key)
+            if got is not None and got.shape != t.shape:
+                self.unlike[r.key] = None
+            self.errors[r.key] = _error(got, t.detach())
 
     def _grad(self, r: Returned, g: torch.Tensor) -> None:
-        if r.key in self.grads:
+        done = self.grads if self.against is None else self.grad_errors
+        if r.key in done:
             return  # a second backward through the same tensor
-        same = self.grads.get(r.same.key) if r.same is not None else None
-        self.grads[r.key] = same if same is not None else g.detach().double().clone()
         self.grad_order.append(r)
+        if self.against is None:
+            same = self.grads.get(r.same.key) if r.same is not None else None
+            self.grads[r.key] = same if same is not None else g.detach().clone()
+        elif r.same is not None and r.same.key in self.grad_errors:
+            self.grad_errors[r.key] = self.grad_errors[r.same.key]
+        else:
+            self.grad_errors[r.key] = _error(self.against.grads.get(r.key), g.detach())
 
 
 def _error(got: torch.Tensor | None, want: torch.Tensor | None) -> float | None:
@@ -167,18 +190,38 @@ def _tolerance(plan: PrecisionPlan) -> float:
     return WIDE_TOLERANCE
 
 
-def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tensor | None] | None
-         ) -> _Run:
-    run = _Run(model)
+def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tensor | None] | None,
+         against: _Run | None = None) -> _Run:
+    run = _Run(model, against)
     try:
         args, kwargs = as_call(sample)
         output = model(*args, **kwargs)
-        loss = loss_fn(output, sample) if loss_fn is not None else scalar_loss(output)
+        loss = loss_fn(output, sample) if loss_fn is not None else projected_loss(output)
         if loss is not None and loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
         run.recorder.close()
     return run
+
+
+def _own(sample: Any) -> Any:
+    """A copy of the sample for one run: a forward that changes what it is handed (a KV cache
+    it appends to, a buffer it writes into) changes this copy, and the backward's gradients
+    go to its leaves, not the caller's. A tensor with a history (the caller's graph) comes
+    detached: the step starts at the sample."""
+    plain = map_tree(sample, _detached)
+    try:
+        return copy.deepcopy(plain)
+    except (TypeError, RuntimeError, copy.Error) as e:
+        warnings.warn(f"diff: the sample cannot be copied ({type(e).__name__}: {e}), so both "
+                      "runs are handed the same objects: a forward that changes them (a cache "
+                      "it appends to) hands the fp32 run what the plan's run left.",
+                      UserWarning, stacklevel=3)
+        return plain
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t if t.grad_fn is None else t.detach().requires_grad_(t.requires_grad)
 
 
 class _SameDraws(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -226,15 +269,15 @@ def _drawn(func: Any, out: Any) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _same_randomness() -> Iterator[Callable[[], None]]:
-    """Runs that draw the same random numbers (dropout's masks): `rewind()` puts the global
-    generators (CPU, and CUDA where it is in use) back where the first run started, and the
-    second run's random ops are handed the first run's draws; on exit the generators are where
-    the caller left them."""
+def _same_randomness() -> Iterator[tuple[_SameDraws, Callable[[], None]]]:
+    """Runs that draw the same random numbers (dropout's masks): each run is made under the
+    mode given (`with draws:`), and `rewind()` puts the global generators (CPU, and CUDA
+    where it is in use) back where the first run started and has the second run's random ops
+    handed the first run's draws; on exit the generators are where the caller left them."""
     initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     devices = list(range(torch.cuda.device_count())) if initialized else []
     draws = _SameDraws()
-    with torch.random.fork_rng(devices=devices), draws:
+    with torch.random.fork_rng(devices=devices):
         cpu = torch.get_rng_state()
         cuda = [torch.cuda.get_rng_state(d) for d in devices]
 
@@ -244,7 +287,7 @@ def _same_randomness() -> Iterator[Callable[[], None]]:
                 torch.cuda.set_rng_state(state, device)
             draws.replay = iter(draws.draws)
 
-        yield rewind
+        yield draws, rewind
 
 
 def _copy(model: nn.Module) -> nn.Module:
@@ -252,6 +295,14 @@ def _copy(model: nn.Module) -> nn.Module:
     copied = copy.deepcopy(model)
     drop_recorders(copied)
     return copied
+
+
+def _drop(model: nn.Module) -> None:
+    """Take the plan off a copy, so that it is freed as soon as it is let go: an applied
+    plan's boundary holds its module (a reference cycle, left to the garbage collector,
+    which may run long after the fp32 copy is made)."""
+    for module in model.modules():
+        ModuleState.strip(module)
 
 
 def _compare(planned: _Run, exact: _Run, plan: PrecisionPlan, tolerance: float
@@ -263,16 +314,16 @@ def _compare(planned: _Run, exact: _Run, plan: PrecisionPlan, tolerance: float
     grads: dict[str, list[float]] = {}
     first = broken = None
     for r in planned.order:
-        if r.key not in exact.outputs:
+        if r.key not in exact.errors:
             continue
-        error = _error(planned.outputs[r.key], exact.outputs[r.key])
+        error = exact.errors[r.key]
         out = math.nan if error is None else error
         outputs.setdefault(r.name, []).append(out)
         if first is None and out > tolerance:
             first = r.name
-        if broken is None and math.isnan(out):
+        if broken is None and math.isnan(out) and r.key not in exact.unlike:
             broken = r.name
-        grad = _error(planned.grads.get(r.key), exact.grads.get(r.key))
+        grad = exact.grad_errors.get(r.key)
         if grad is not None:
             grads.setdefault(r.name, []).append(grad)
     rows = []
@@ -289,10 +340,21 @@ def _first_grad(planned: _Run, exact: _Run, compared: set[str], tolerance: float
     """The module whose gradient is the first, in the order the backward computed them, to
     pass `tolerance`."""
     for r in planned.grad_order:
-        grad = _error(planned.grads[r.key], exact.grads.get(r.key))
+        grad = exact.grad_errors.get(r.key)
         if r.name in compared and grad is not None and grad > tolerance:
             return r.name
     return None
+
+
+def _say_where_the_runs_took_other_paths(exact: _Run) -> None:
+    names = list(dict.fromkeys(key[0] for key in exact.unlike))
+    if names:
+        warnings.warn(f"diff: {len(names)} module(s) returned tensors of other shapes in the "
+                      f"plan's run than in fp32's ({', '.join(map(repr, names[:4]))}"
+                      f"{', ...' if len(names) > 4 else ''}): the two runs took other paths "
+                      "there (a router sent other tokens to an expert, or code branched on "
+                      "values the precision changed), so those are not compared (error nan).",
+                      UserWarning, stacklevel=3)
 
 
 def _say_if_fp32_is_not_finite(broken: str | None) -> None:
@@ -309,19 +371,22 @@ def diff(model: nn.Module, sample: Any, *,
          tolerance: float | None = None) -> DiffReport:
     """One step of the plan against the same step in fp32, module by module.
 
-    `model` is copied twice (it is not changed): one copy runs the plan (the one applied to
-    it, else its annotations resolved), the other runs every parameter and buffer in fp32 with
-    no plan, both from the same values and the same random numbers (the fp32 run is handed
-    what each random op of the first drew, so dropout's masks are the same in both whatever
-    dtype they are drawn in; the caller's generators are left where they were). Every
-    floating tensor every call of a module returns, and its gradient, is compared between the
-    two.
+    `model` is copied twice, one copy at a time (it is not changed): one copy runs the plan
+    (the one applied to it, else its annotations resolved), the other runs every parameter
+    and buffer in fp32 with no plan, both from the same values and the same random numbers
+    (the fp32 run is handed what each random op of the first drew, so dropout's masks are the
+    same in both whatever dtype they are drawn in; the caller's generators are left where they
+    were), each on its own copy of `sample` (a KV cache the forward appends to is the
+    caller's still). Every floating tensor every call of a module returns, and its gradient,
+    is compared between the two.
 
     Args:
         model: the model (seen through wrappers).
         sample: a batch: a tensor, a dict of keyword arguments, or (args, kwargs).
-        loss_fn: `loss_fn(output) -> loss` or `loss_fn(output, sample) -> loss`; by default
-            the sum of the output's floating tensors. (Default: None)
+        loss_fn: `loss_fn(output) -> loss` or `loss_fn(output, sample) -> loss`, the loss a
+            tensor of one element. (Default: None: a fixed projection of the output's
+            floating tensors, `samples.projected_loss`, whose gradient no normalization or
+            softmax at the end cancels, as it cancels the sum's)
         tolerance: the relative error a module passes to be named `first`. (Default: None:
             2e-2 when the plan computes in fp16, 1e-1 in bf16, else 1e-3)
 
@@ -346,14 +411,20 @@ def diff(model: nn.Module, sample: Any, *,
     loss = loss_of(loss_fn, "diff")
     inner = unwrap(model)
     plan = plan_of(inner, where="diff")
-    low = _copy(inner)
-    apply(low, plan)
-    reference = remove(_copy(inner)).to(fp32)
     tol = tolerance if tolerance is not None else _tolerance(plan)
-    with _same_randomness() as rewind:
-        planned = _run(low, sample, loss)
+    with _same_randomness() as (draws, rewind):
+        # one copy of the model at a time: the plan's is gone before fp32's is made
+        low = apply(_copy(inner), plan)
+        with draws:
+            planned = _run(low, _own(sample), loss)
+        _drop(low)
+        del low
         rewind()
-        exact = _run(reference, cast_tree(sample, fp32), loss)
+        reference = remove(_copy(inner)).to(fp32)
+        with draws:
+            exact = _run(reference, cast_tree(_own(sample), fp32), loss, planned)
+        del reference
     rows, first, first_grad, broken = _compare(planned, exact, plan, tol)
     _say_if_fp32_is_not_finite(broken)
+    _say_where_the_runs_took_other_paths(exact)
     return DiffReport(tuple(rows), tol, first, first_grad)

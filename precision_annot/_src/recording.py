@@ -77,11 +77,20 @@ class _Seen:
 
     def __init__(self, tensor: torch.Tensor, first: Returned) -> None:
         self.ref = weakref.ref(tensor)
-        self.version = tensor._version
+        self.version = version(tensor)
         self.owners = [first]
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        return self.ref() is tensor and self.version == tensor._version
+        return self.ref() is tensor and self.version == version(tensor)
+
+
+def version(t: torch.Tensor) -> int:
+    """`t`'s version counter, which in-place ops advance.
+
+    NOTE: torch offers `_version` only; an inference tensor (made under
+    `torch.inference_mode`) has none and raises on reading it, and cannot be changed in place
+    outside that mode, so its identity alone tells it apart (-1 here)."""
+    return -1 if t.is_inference() else t._version
 
 
 class _Call:
@@ -111,6 +120,11 @@ class Recorder:
     - A forward run again in backward (gradient checkpointing) is not a new call: where the
       first run's tensors had no gradient (reentrant checkpointing runs it under `no_grad`), the
       tensors of the run in backward get the gradient hooks, under the first run's `Returned`.
+      Where the first run was not recorded at all (`training_only`, and reentrant
+      checkpointing called outside any module's forward, so under `no_grad` at the top), the
+      run in backward is recorded as the call, with the same values.
+    - Gradient hooks are removed on `close` (one on a parameter a module returns as it is
+      would otherwise stay on it).
     - Code that torch.compile compiled runs no hook: a hook reached while it traces sets
       `compiled` (replayed by each compiled call) and records nothing.
 
@@ -134,6 +148,9 @@ class Recorder:
         self._ungraded: dict[str, deque[dict[int, list[Returned]]]] = {}
         self._local = threading.local()
         self._handles: list[RemovableHandle] = []
+        # gradient hooks, removed on close: one on a tensor that outlives the step (a
+        # parameter a module returns as it is) would fire on every later backward
+        self._grad_handles: list[RemovableHandle] = []
         # a deep copy of a module keeps its hooks (the same functions, in dicts of its own):
         # they record the modules they were put on, never a copy; a DataParallel replica
         # shares the module's hook dicts (torch copies its __dict__), and is recorded as it
@@ -154,9 +171,10 @@ class Recorder:
 
     def close(self) -> None:
         """Remove every hook."""
-        for handle in self._handles:
+        for handle in (*self._handles, *self._grad_handles):
             handle.remove()
         self._handles.clear()
+        self._grad_handles.clear()
 
     # -- the hooks --------------------------------------------------------------------------
     def _stack(self) -> list[_Call]:
@@ -178,7 +196,7 @@ class Recorder:
         if recorded:
             leaves: list[torch.Tensor] = []
             floating_leaves((args, kwargs), leaves)
-            inputs = {id(t): t._version for t in leaves}
+            inputs = {id(t): version(t) for t in leaves}
         stack.append(_Call(recorded, inputs))
 
     def _post_hook(self, name: str, hooks: dict[int, Any]) -> Callable[..., None]:
@@ -198,12 +216,12 @@ class Recorder:
             leaves: list[torch.Tensor] = []
             floating_leaves(output, leaves)
             made = [(i, t) for i, t in enumerate(leaves)
-                    if call.inputs.get(id(t), -1) != t._version]
+                    if call.inputs.get(id(t), -2) != version(t)]
             if not made:
                 return
-            if in_backward():
+            if in_backward() and name in self.calls:
                 self._recomputed(name, made)
-            else:
+            else:  # (in backward: a first run not recorded, under no_grad outside any module)
                 self._returned(name, module, args, made)
 
         return post
@@ -253,7 +271,7 @@ class Recorder:
             for owner in owners:
                 on_grad(owner, g)
 
-        t.register_hook(grad)  # type: ignore[no-untyped-call]
+        self._grad_handles.append(t.register_hook(grad))  # type: ignore[no-untyped-call]
 
 
 # -- hooks a copy must not keep -------------------------------------------------------------------

@@ -90,17 +90,36 @@ class AppliedState:
         plan's dtype, and the step guard learns the new parameters."""
         named = dict(model.named_modules())
         moved = False
+        cast: dict[tuple[Any, ...], torch.Tensor] = {}  # one cast per tensor the load gave
         for (name, kind, tname), target in self.execution.targets.items():
             module = named.get(name)
             tensor = None if module is None else get_tensor(module, kind, tname)
             if module is not None and tensor is not None and tensor.dtype != target.dtype:
+                key = (*_view(tensor), target.dtype)
+                if key not in cast:
+                    cast[key] = tensor.detach().to(target.dtype)
                 state = ModuleState.of(module) or ModuleState(module, name)
-                state.cast(kind, tname, tensor.detach().to(target.dtype))
+                state.cast(kind, tname, cast[key])
                 moved = True
+        for held in filter(None, map(ModuleState.of, named.values())):
+            moved = held.rewrap_loaded_weight() or moved
         if self.wide is not None:
             self.wide.bind(model)
         if moved:
             guard.note([], guard.planned_updates(self.plan, named))
+
+
+def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors one view of one storage (the tensors `assign=True` puts in tied
+    or shared places), so that each is cast once and the cast ones still share their storage,
+    as the loaded ones did; a tensor without storage (meta, a subclass) is itself."""
+    try:
+        if tensor.device.type != "meta" and type(tensor) in (torch.Tensor, nn.Parameter):
+            return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                    tuple(tensor.shape), tuple(tensor.stride()))
+    except (RuntimeError, NotImplementedError):
+        pass
+    return (id(tensor),)
 
 
 class ReprSuffix:
@@ -228,6 +247,27 @@ class ModuleState:
                     tensor.grad = grad.to(getattr(tensor, "grad_dtype", None) or value.dtype)
         else:
             set_tensor(module, kind, name, value)
+
+    def rewrap_loaded_weight(self) -> bool:
+        """After `load_state_dict(assign=True)`: a converted layer whose weight torchao wrapped
+        for FSDP2's fp8 all-gather (comm=fp8) holds the plain parameter the load gave it. Wrap
+        that one as `apply` wrapped the first (torchao's own conversion, on a meta Linear
+        sharing the parameters), and keep it as the weight `remove` gives back, so that neither
+        the fp8 all-gather nor the loaded values are lost. True when it wrapped one."""
+        converted, module = self.converted, self.module
+        weight = module._parameters.get("weight")
+        if converted is None or converted.weight is None or weight is None \
+                or type(weight) not in (torch.Tensor, nn.Parameter):
+            return False
+        assert isinstance(module, nn.Linear)
+        with torch.device("meta"):
+            plain = nn.Linear(module.in_features, module.out_features, bias=False)
+        plain.weight = weight
+        plain.bias = module.bias
+        new = float8.build(plain, converted.gemm, self.name)
+        converted.weight = weight
+        module._parameters["weight"] = new._parameters["weight"]
+        return True
 
     def convert(self, gemm: float8.Gemm) -> None:
         """Turn this Linear into torchao's fp8 module for `gemm`, in place."""

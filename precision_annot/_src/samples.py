@@ -16,7 +16,7 @@ from torch import nn
 
 from precision_annot._src.casting import floating_leaves
 
-__all__ = ["as_call", "loss_of", "scalar_loss", "step"]
+__all__ = ["as_call", "loss_of", "projected_loss", "scalar_loss", "step"]
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -36,6 +36,40 @@ def scalar_loss(output: Any) -> torch.Tensor | None:
     if not leaves:
         return None
     return torch.stack([t.float().sum() for t in leaves]).sum()
+
+
+def projected_loss(output: Any) -> torch.Tensor | None:
+    """A fixed projection of every floating tensor in `output`, summed, in fp32 (None when
+    there is none): the default loss of a step that compares gradients.
+
+    The plain sum of an output is a constant after a normalization or a softmax (a
+    LayerNorm's output at its initial weights sums to 0 over its features, a softmax's to 1),
+    so its gradient is 0 but for rounding, and comparing gradients compares rounding noise.
+    Here each tensor, seen as rows by its last dimension, is weighted by the outer product of
+    two fixed patterns in [-1, 1) (`_pattern`): the gradient it hands back is that product,
+    which no normalization of a row or a column removes. A 0-dim tensor (a loss the model
+    returns) is taken as it is. The same output gives the same loss on any run and device."""
+    leaves: list[torch.Tensor] = []
+    floating_leaves(output, leaves)
+    if not leaves:
+        return None
+    parts = []
+    for t in leaves:
+        if t.dim() == 0:
+            parts.append(t.float())
+            continue
+        cols = t.shape[-1]
+        rows = t.numel() // max(cols, 1)
+        flat = t.float().reshape(rows, cols)
+        parts.append(flat @ _pattern(cols, t.device, 0) @ _pattern(rows, t.device, cols))
+    return torch.stack(parts).sum()
+
+
+def _pattern(n: int, device: torch.device, salt: int) -> torch.Tensor:
+    """n fixed values in [-1, 1) (a multiplicative hash of the index: no generator drawn
+    from, the same on every device)."""
+    index = torch.arange(salt, salt + n, dtype=torch.int64, device=device)
+    return (index * 2654435761 % 4294967296).to(torch.float32) / 2147483648.0 - 1.0
 
 
 def step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -72,11 +106,24 @@ def loss_of(loss_fn: Callable[..., Any] | None, where: str
 
     def loss(output: Any, sample: Any) -> torch.Tensor | None:
         value = loss_fn(output, sample) if two else loss_fn(output)
-        if value is not None and not (isinstance(value, torch.Tensor)
-                                      and value.is_floating_point()):
-            raise TypeError(f"{where}(loss_fn=...) must return a floating tensor computed "
-                            f"from the output (or None). Received: {value!r} (of type "
-                            f"{type(value).__name__})")
-        return value
+        if value is None or (isinstance(value, torch.Tensor) and value.is_floating_point()
+                             and value.numel() == 1):
+            return value
+        raise TypeError(f"{where}(loss_fn=...) must return the loss: a floating tensor of one "
+                        "element computed from the output (or None); take it out of a tuple "
+                        "or a dict (`out[0]`, `out['loss']`, a Hugging Face output's "
+                        f"`out.loss`), and reduce a tensor (`.mean()`). Received: "
+                        f"{_described(value)}")
 
     return loss
+
+
+def _described(value: Any) -> str:
+    """A short description of a value that is not a loss (never a tensor's numbers)."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)[:8]}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"{value!r} (of type {type(value).__name__})"

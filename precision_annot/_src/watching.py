@@ -120,7 +120,7 @@ class WatchRecord:
     """One sampled step.
 
     Attributes:
-        step: the step's index (the `watch.step()` calls before it).
+        step: the step's index (`start` plus the `watch.step()` calls before it).
         outputs: each module's output, by name.
         grads: the gradient of each module's output, by name.
         first_nonfinite: the first module, in execution order, whose output held a value
@@ -272,6 +272,10 @@ def _measure(t: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor
     that made it held values that are not finite), as one float64 tensor: a handful of kernels,
     no sync."""
     finfo = torch.finfo(t.dtype)
+    if t.element_size() == 1:  # fp8 (a quantizer's output): few kernels take it; exact in fp32
+        t = t.float()
+    if given is not None and given.element_size() == 1:
+        given = given.float()
     a = t.abs()
     numel = t.numel()
     # |a / tiny - 1/2| < 1/2 exactly when 0 < a < tiny (scaling by a power of two is exact,
@@ -368,6 +372,51 @@ def _require_scaler(scaler: Any) -> None:
                         f"scaler={scaler!r} (of type {type(scaler).__name__})")
 
 
+class _Skips:
+    """The steps a GradScaler skipped: it lowers its scale exactly when it skips one.
+
+    Torch's GradScaler reads its scale with `.item()` (on a GPU, a wait for the device);
+    a step that is not sampled compares the scale where it lives instead, and a sampled step
+    reads the count and the scale (it waits for the device to measure anyway)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+        self.count = 0
+        self.scale = float(scaler.get_scale())
+        self._last: torch.Tensor | None = None  # the scale after the step before, as a tensor
+        self._pending: torch.Tensor | None = None  # skips counted on the device, not read yet
+
+    def step(self) -> None:
+        now = _scale_tensor(self.scaler)
+        if now is None:  # not torch's scaler (or not scaling yet): read it
+            scale = float(self.scaler.get_scale())
+            self.count += int(scale < self.scale)
+            self.scale = scale
+            return
+        lower = (now < (self.scale if self._last is None else self._last)).int()
+        self._pending = lower if self._pending is None else self._pending + lower
+        self._last = now.clone()  # the scaler updates its scale in place
+
+    def read(self) -> tuple[float, int]:
+        if self._pending is not None:
+            self.count += int(self._pending.item())
+            self._pending = None
+        if self._last is not None:
+            self.scale = float(self._last.item())
+        return self.scale, self.count
+
+
+def _scale_tensor(scaler: Any) -> torch.Tensor | None:
+    """The GradScaler's scale as the tensor it keeps, or None (another scaler, or one that has
+    not scaled a loss yet).
+
+    NOTE: torch's GradScaler hands its scale tensor only through `_get_scale_async`;
+    `get_scale()` reads it to the host."""
+    get = getattr(scaler, "_get_scale_async", None)
+    scale = get() if callable(get) else None
+    return scale if isinstance(scale, torch.Tensor) else None
+
+
 def _open(path: str | Path) -> TextIO:
     """The JSON-lines file a run appends to, its folder checked first."""
     file = Path(path)
@@ -403,6 +452,9 @@ class watch:
             largest magnitude, summed counts) into a record of rank "all". (Default: True)
         warn: say once per module, with the fix, when its output or gradient reaches half
             its dtype's largest value or is not finite. (Default: True)
+        start: the index of the first step: a run resumed from a checkpoint taken after N
+            steps passes N, so that its steps keep their numbers and the same steps are
+            sampled as in a run that was not stopped. (Default: 0)
 
     Attributes:
         history: every `WatchRecord` so far (this rank's, and the reduced ones).
@@ -422,12 +474,15 @@ class watch:
     """
 
     def __init__(self, model: nn.Module, every: int = 100, *, scaler: Any = None,
-                 path: str | Path | None = None, reduce: bool = True, warn: bool = True
-                 ) -> None:
+                 path: str | Path | None = None, reduce: bool = True, warn: bool = True,
+                 start: int = 0) -> None:
         require_module(model, "watch")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"watch: every is a number of steps, 1 or more. Received: "
                              f"every={every!r}")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"watch: start is the index of the first step (the steps a resumed "
+                             f"run took before), 0 or more. Received: start={start!r}")
         _require_scaler(scaler)
         _refuse_compiled(model)
         self.model = unwrap(model)
@@ -438,15 +493,14 @@ class watch:
         self.reduce = reduce
         self.warn = warn
         self.history: list[WatchRecord] = []
-        self.index = 0
-        self.skipped = 0
-        self._scale: float | None = None if scaler is None else float(scaler.get_scale())
+        self.index = start
+        self._skips = None if scaler is None else _Skips(scaler)
         self._said: set[tuple[str, str, bool]] = set()
         self._said_empty = False
         self._file: TextIO | None = None
         if path is not None:
             self._file = _open(path)
-        self._current: _Step | None = _Step(self.named)
+        self._current: _Step | None = _Step(self.named) if start % every == 0 else None
 
     @property
     def sampling(self) -> bool:
@@ -472,7 +526,8 @@ class watch:
         """End one training step: the record of this step when it was sampled, else None.
         Installs the hooks before the next sampled step."""
         current = self._current
-        self._count_skips()
+        if self._skips is not None:
+            self._skips.step()
         record = None
         if current is not None:
             current.close()
@@ -486,15 +541,6 @@ class watch:
             self._current = _Step(self.named)
         return record
 
-    def _count_skips(self) -> None:
-        """A GradScaler lowers its scale exactly when it skips a step."""
-        if self.scaler is None:
-            return
-        scale = float(self.scaler.get_scale())
-        if self._scale is not None and scale < self._scale:
-            self.skipped += 1
-        self._scale = scale
-
     def _record(self, current: _Step) -> WatchRecord:
         outputs, first = _merged(current.outputs)
         grads, first_grad = _merged(current.grads)
@@ -504,10 +550,10 @@ class watch:
         fp8 = {name: tuple(Fp8Stats(op, dtype, *values.tolist())
                            for op, dtype, values in ops)
                for name, ops in current.fp8.items()}
+        scale, skipped = (None, None) if self._skips is None else self._skips.read()
         record = WatchRecord(self.index, {n: _stats(r.dtype, r.values) for n, r in outputs.items()},
                              {n: _stats(r.dtype, r.values) for n, r in grads.items()}, first,
-                             first_grad, self._scale,
-                             None if self.scaler is None else self.skipped, rank, fp8)
+                             first_grad, scale, skipped, rank, fp8)
         self._keep(record)
         if self.reduce and dist.is_available() and dist.is_initialized():
             self._keep(self._reduced(outputs, grads, record))
@@ -642,14 +688,22 @@ class watch:
 
 
 def _read(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSON-lines file `watch` wrote, checked."""
+    """The records of a JSON-lines file `watch` wrote, checked. A last line cut short (a run
+    stopped while writing it: watch ends each line it writes) is left out, and said."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
     records = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            if n == len(lines) and not text.endswith("\n"):
+                warnings.warn(f"watch-report: the last line of {path} (line {n}) was cut short, "
+                              "as by a run stopped while writing it; it is left out.",
+                              UserWarning, stacklevel=3)
+                break
             raise ValueError(f"line {n} is not JSON ({e})") from e
         if not isinstance(record, dict) or not {"step", "rank", "outputs", "grads"} <= set(
                 record):
@@ -711,6 +765,9 @@ def report(path: str | Path, top: int = 10) -> str:
             score = (stats["nonfinite"] > 0, stats["margin"])
             if (module, kind) not in worst or score > worst[(module, kind)][0]:
                 worst[(module, kind)] = (score, record["step"], stats)
+    if not steps:
+        return (f"0 sampled steps in {path}: watch(path=...) appends one line per sampled "
+                "step, and none was written (no sampled step ended, or this is not its file).")
     rows: list[tuple[str, ...]] = [("module", "of", "dtype", "worst margin", "at step",
                                     "non-finite")]
     for (module, kind), (_, step, stats) in sorted(worst.items(),

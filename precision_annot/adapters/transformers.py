@@ -354,7 +354,9 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
     module's output's and gradient's largest magnitude and margin (the share of its dtype's
     largest value) go into the step's logs, which the Trainer hands to every integration
     `report_to` names (TensorBoard, W&B, ...). The callback is put first among the Trainer's,
-    so that those integrations see the numbers in the logs they write.
+    so that those integrations see the numbers in the logs they write. A run resumed from a
+    checkpoint goes on counting from its step. A Trainer with `torch_compile=True` is refused
+    (its compiled steps run no module hook).
 
     Args:
         trainer: a `transformers.Trainer`, before `train()`.
@@ -371,6 +373,14 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
     """
     from transformers import TrainerCallback
 
+    if getattr(getattr(trainer, "args", None), "torch_compile", False):
+        raise ValueError(
+            "watch_callback: the Trainer compiles the model (TrainingArguments(torch_compile="
+            "True)), and compiled code runs no module hook, so watch would see nothing of its "
+            "steps. Watch a run with torch_compile=False, or watch your own loop, calling the "
+            "uncompiled model while watch.sampling is True (see the watch guide). Received: "
+            "trainer.args.torch_compile=True")
+
     class WatchCallback(TrainerCallback):
         def __init__(self) -> None:
             self.watch: Any = None
@@ -378,7 +388,10 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             model: nn.Module = kwargs["model"]
-            self.watch = make_watch(model, every=every, path=None if path is None else Path(path))
+            # a resumed run goes on from the checkpoint's step: the same numbers, the same
+            # steps sampled
+            self.watch = make_watch(model, every=every, path=None if path is None else Path(path),
+                                    start=int(state.global_step))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
             record = self.watch.step() if self.watch is not None else None
@@ -447,7 +460,8 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
 
     A default `from_pretrained` loads every weight in the checkpoint's one dtype, so fp32
     islands of a bf16 model come back rounded to bf16. Here each tensor whose planned storage
-    is wider than the dtype it was loaded in is read again from the checkpoint files.
+    holds values the dtype it was loaded in does not (fp32 loaded in bf16; bf16 loaded in
+    fp16, which lacks bf16's range) is read again from the checkpoint files.
 
     Args:
         model_class: the transformers model class, e.g. `T5ForConditionalGeneration`.
@@ -477,7 +491,11 @@ def from_pretrained(model_class: type[M], directory: str | os.PathLike[str],
         plan = resolve(model)
     loaded = {n: t.dtype for n, t in _named_tensors(model)}
     apply(model, plan)
-    restore = [n for n, t in _named_tensors(model) if wider(t.dtype, loaded[n])]
+    # read back what the load's dtype cannot hold every value of: an fp32 island loaded in
+    # bf16, and a bf16 weight loaded in fp16 (dtype=torch.float16: fp16 has bf16's bits but
+    # not its range, so large and tiny values were rounded)
+    restore = [n for n, t in _named_tensors(model)
+               if t.dtype != loaded[n] and not wider(loaded[n], t.dtype)]
     if restore:
         _read_back(model, Path(directory), restore)
     return model
@@ -522,6 +540,39 @@ def _checkpoint_keys(model: nn.Module, names: list[str]) -> dict[str, str | None
     for name in names:
         _, pattern = apply_converters(name, converters)
         out[name] = None if pattern is not None else apply_renamings(name, renamings)
+    return out
+
+
+def checkpoint_names(model: nn.Module, keys: Iterable[str]) -> dict[str, tuple[str, bool]]:
+    """The checkpoint keys that transformers' `from_pretrained` loads into a tensor of another
+    name (ViT's saved `encoder.layer.0.attention.attention.query.weight` is the model's
+    `layers.0.attention.q_proj.weight`), each with that name and whether it is fused with other
+    keys into it (per-expert weights into one tensor); keys loaded under their own name are
+    left out. What `check(model, "checkpoint", ...)` reads a Hugging Face checkpoint by.
+
+    NOTE: transformers' own renaming (`get_model_conversion_mapping`, `rename_source_key`), as
+    `from_pretrained` calls it on a checkpoint's keys."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:  # a transformers without conversions: keys are names
+        return {}
+    conversions = get_model_conversion_mapping(model)  # type: ignore[arg-type]
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    names = dict.fromkeys(model.state_dict(keep_vars=True), True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    out: dict[str, tuple[str, bool]] = {}
+    for key in keys:
+        if key in names:
+            continue
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, names)
+        if renamed in names:
+            out[key] = (renamed, pattern is not None)
     return out
 
 

@@ -311,7 +311,7 @@ def test_two_ranks_load_a_bf16_checkpoint_into_the_sharded_fp32_router_and_resum
     reference = ranks[0]["reference"]
     planned = {"up.weight": "bf16", "up.bias": "bf16", "router.weight": "fp32",
                "router.bias": "fp32", "down.weight": "bf16", "down.bias": "bf16"}
-    for mode in ("sharded", "full"):
+    for mode in ("sharded", "full", "broadcast"):
         for name, dtype in planned.items():
             assert {r[mode]["params"][name]["dtype"] for r in ranks} == {dtype}, (mode, name)
             whole = [row for r in ranks for row in r[mode]["params"][name]["values"]]
@@ -320,9 +320,24 @@ def test_two_ranks_load_a_bf16_checkpoint_into_the_sharded_fp32_router_and_resum
     assert said and all("'model.router.weight', 'model.router.bias'" in w
                         or "'router.weight', 'router.bias'" in w for w in said)
     assert ranks[0]["sharded"]["warnings"] and not ranks[1]["sharded"]["warnings"]  # once
+    # broadcast_from_rank0: torch casts into the planned shards before load_state_dict runs,
+    # so the load cannot see what was narrowed (docs/checkpoints.md says so; check does)
+    assert [r["broadcast"]["warnings"] for r in ranks] == [[], []]
     assert ranks[0]["check"] == [["error", "checkpoint-narrowed", "router"]] * 2
     for r in ranks:
         resumed, uninterrupted = r["resume"]["resumed"], r["resume"]["uninterrupted"]
         assert resumed == uninterrupted
         assert {n: p["dtype"] for n, p in resumed.items()} == planned
         assert r["resume"]["moments"] == planned  # torch's AdamW: moments in each shard's dtype
+
+
+def test_fully_shard_refuses_units_given_as_one_string_or_a_number() -> None:
+    from precision_annot.adapters.fsdp import unit_names
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plan = resolve(model)
+    for bad in ("0", 3):
+        with pytest.raises(TypeError, match=r"fully_shard: units is a list of selectors.*"
+                                            rf"Received: units={bad!r}"):
+            unit_names(plan, model, bad)  # type: ignore[arg-type]
+    assert "0" in unit_names(plan, model, ["0"])

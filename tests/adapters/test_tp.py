@@ -3,6 +3,7 @@ styles' arithmetic on one rank, and real gloo runs on 2 and 4 ranks (tests/worke
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -29,12 +30,13 @@ from precision_annot import (
     bf16,
     check,
     fp32,
+    precision,
     resolve,
 )
 from precision_annot.adapters import tp
 from precision_annot.adapters.tp.styles import wide_mm
 from tests.helpers import launch
-from tests.workers.tp import Blocks, Embedded, Routed, mlp_plan
+from tests.workers.tp import Blocks, Embedded, Routed, full, mlp_plan
 
 
 def run_ranks(mode: str, tmp_path: Path, ranks: int, *args: str) -> list[dict[str, Any]]:
@@ -201,6 +203,43 @@ def test_planned_styles_compute_and_round_as_written_by_hand(group: None) -> Non
     assert down.weight.grad.dtype == fp32  # gradients land in storage
 
 
+def test_row_parallel_output_fp32_is_one_ranks_rounded_output(group: None) -> None:
+    """`output=fp32` on a bf16 row-parallel Linear: one rank's GEMM rounds to bf16 and the
+    boundary casts that; the planned style rounds its fp32 sum the same way (it handed the
+    unrounded fp32 sum back, 3e-4 from one rank on 2 ranks, its gradients 2e-3)."""
+    torch.manual_seed(0)
+    model = Blocks(1, 8, 16)
+    annotate(model, {nn.Linear: "comm=fp32", "blocks.0.down": "output=fp32"})
+    apply(model, default="bf16-mixed")
+    one = copy.deepcopy(model)
+    tp.parallelize_module(model, init_device_mesh("cpu", (1,)), mlp_plan(1))
+    x = torch.randn(4, 8)
+    got, want = model(x), one(x)
+    assert got.dtype == want.dtype == fp32 and torch.equal(got, want)
+    got.square().mean().backward()
+    want.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), one.parameters(), strict=True):
+        assert torch.equal(full(p.grad), q.grad), name
+
+
+def test_partial_sums_between_fp16_and_bf16_are_rounded_once_to_comm(group: None) -> None:
+    """bf16 compute with comm=fp16: each partial sum is computed in fp32 and rounded once to
+    fp16 (it was computed in bf16, so its fp16 sum held bf16's precision only)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16))
+    annotate(model, {nn.Linear: "comm=fp16"})
+    apply(model, default="bf16-mixed")
+    w, b = (t.detach().clone() for t in (model[0].weight, model[0].bias))
+    tp.parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": RowwiseParallel()})
+    x = torch.randn(32, 8)
+
+    def r(t: torch.Tensor) -> torch.Tensor:
+        return t.to(bf16).to(fp32)
+
+    want = ((r(x) @ r(w).t()).to(torch.float16).to(fp32) + r(b)).to(bf16)
+    assert torch.equal(model(x), want)
+
+
 def test_parallelize_block_by_block_uses_the_models_plan(group: None) -> None:
     """torchtitan parallelizes each block on its own: the block's decisions come from the
     plan applied to the whole model, under the block's own names."""
@@ -217,6 +256,22 @@ def test_parallelize_block_by_block_uses_the_models_plan(group: None) -> None:
     model(torch.randn(4, 16)).float().sum().backward()
 
 
+def test_parallelize_a_block_of_an_unapplied_model_warns(group: None) -> None:
+    """A block parallelized before the model's plan is applied cannot see the plan set above
+    it: it got its own (empty) plan and torch's bf16-free styles, silently."""
+    mesh = init_device_mesh("cpu", (1,))
+    block_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    model = precision("bf16-mixed")(Blocks(2, 16, 32))  # set on the model, not applied
+    with pytest.warns(UserWarning, match=r"no precision plan is applied to this Block .*"
+                      r"no compute dtype for 'up' and 'down'.*apply\(model, \.\.\.\)"):
+        tp.parallelize_module(model.blocks[0], mesh, block_plan)
+    applied = apply(precision("bf16-mixed")(Blocks(2, 16, 32)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tp.parallelize_module(applied.blocks[0], mesh, block_plan)
+    assert type(tp.styles(applied)["blocks.0.up"]).__name__ == "PlannedColwiseParallel"
+
+
 def test_parallelize_module_errors_and_warnings(group: None) -> None:
     mesh = init_device_mesh("cpu", (1,))
     model = apply(Blocks(1, 16, 32), default="bf16-mixed")
@@ -229,6 +284,14 @@ def test_parallelize_module_errors_and_warnings(group: None) -> None:
     assert not isinstance(model.blocks[0].up.weight, DTensor)
     with pytest.raises(ValueError, match="plan is not the plan of a model holding"):
         tp.parallelize_module(model, mesh, mlp_plan(1), plan=resolve(Blocks(1, 16, 32)))
+    model.extra = nn.Linear(16, 16)  # added after apply
+    with pytest.raises(ValueError, match=r"names 'extra', which the precision plan does not "
+                       r"hold .*apply\(model\)"):
+        tp.parallelize_module(model, mesh, {"extra": ColwiseParallel()})
+    assert not isinstance(model.extra.weight, DTensor)
+    apply(model)
+    tp.parallelize_module(model, mesh, {"extra": ColwiseParallel()})
+    assert isinstance(model.extra.weight, DTensor)
 
 
 def test_audit_reads_placements(group: None) -> None:
@@ -272,6 +335,13 @@ def test_tp2_with_comm_fp32_equals_one_rank(tmp_path: Path) -> None:
     assert audited["placements"] == {"weight": "S(1)", "bias": "R"}
     assert rank["bf16_audit"]["down_reduced"] == ["bf16"]
     assert rank["fp32_bytes"] == 2 * rank["bf16_bytes"]
+    # sequence parallel: the row-parallel bias's gradient is a partial sum on each rank,
+    # reduced in fp32 before its one rounding to bf16 (rounded per rank first: 2.5e-3 off)
+    ours, torchs = rank["sequence"]["ours"], rank["sequence"]["torch"]
+    assert ours["out"] == 0.0 and max(ours.values()) < 1e-6, ours
+    assert torchs["out"] > 1e-3 and torchs["blocks.0.down.bias"] > 1e-3, torchs
+    # the gather of a gathered fp32 island's output is not an op autocast could change
+    assert rank["sequence"]["gathered_divergences"] == []
 
 
 @pytest.mark.slow
@@ -377,6 +447,11 @@ def test_users_loops_on_2_ranks(tmp_path: Path) -> None:
     assert llama["fp32"]["divergences"] == [] and llama["bf16"]["divergences"] == []
     assert rank["compiled"] and rank["checkpointed"] and rank["no_grad"] and rank["dcp"]
     assert rank["dcp_dtypes"] == ["fp32"]
+    # inductor skips a bf16 rounding a fused kernel reads, unless told to emulate it: then the
+    # compiled sequence-parallel run is eager's (docs/backends/tp.md)
+    skipped, emulated = rank["inductor"]["False"], rank["inductor"]["True"]
+    assert skipped[0] > 1e-4, skipped
+    assert emulated[0] == 0.0 and emulated[1] < 1e-6, emulated
     # TP alone: a bf16 LayerNorm's partial gradient reduced in its comm (fp32) as it arrives
     assert rank["replicated"] == {"reduced": [["all_reduce", "fp32"]], "grad": ["bf16", "R"],
                                   "agree": True}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from precision_annot import (
     apply,
     audit,
     bf16,
+    diff,
     fp16,
     fp32,
     optimizer,
@@ -756,6 +758,67 @@ def test_watch_callback_samples_the_training_steps_of_a_trainer_that_evaluates_e
         assert set(record.outputs) == set(mine.outputs)
 
 
+def test_diff_with_a_kv_cache_leaves_the_callers_cache_and_compares_the_same_step() -> None:
+    """A decoding step handed the cache of the tokens before it: 0.4 ran the plan's step on
+    the caller's DynamicCache (4 tokens -> 8), then the fp32 step on what it left (-> 12)
+    and raised through the first run's freed graph."""
+    model, _ = annotated("llama")
+    model.train()
+    apply(model, default="bf16")
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = diff(model, {"input_ids": ids[:, 4:], "past_key_values": cache,
+                              "use_cache": True}, loss_fn=lambda out: out.logits.float().mean())
+    assert cache.get_seq_length() == 4
+    assert report.first is None and report.first_grad is None, str(report)
+    assert report["lm_head"].grad_error is not None
+
+
+@pytest.mark.slow  # 9 s (two Trainer runs); the Lightning test shows the same in make test
+def test_watch_callback_goes_on_counting_the_steps_of_a_resumed_run(tmp_path: Path) -> None:
+    """0.4 counted from 0 again: a run stopped after 3 steps and resumed to 6 wrote steps
+    [0, 2, 0, 2] to one file and sampled global steps 3 and 5, not 4."""
+    path = tmp_path / "watch.jsonl"
+
+    def train(max_steps: int, resume: bool) -> Any:
+        model, _ = annotated("llama")
+        apply(model, default="bf16")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+            use_cpu=True, report_to=[], save_strategy="steps", save_steps=3, logging_steps=100,
+            disable_tqdm=True, learning_rate=1e-2)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+        callback = hf.watch_callback(trainer, every=2, path=path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train(resume_from_checkpoint=resume or None)
+        return callback
+
+    train(3, False)
+    resumed = train(6, True)
+    assert [r.step for r in resumed.watch.history] == [4]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 2, 4]
+
+
+def test_watch_callback_refuses_a_trainer_that_compiles_the_model(tmp_path: Path) -> None:
+    """Compiled steps run no module hook: 0.4 trained one step, then raised with a fix (call
+    the uncompiled model on sampled steps) that a Trainer's user cannot apply."""
+    model, _ = annotated("llama")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=2, use_cpu=True,
+                                          report_to=[], torch_compile=True,
+                                          torch_compile_backend="eager")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    with pytest.raises(ValueError, match=r"watch_callback: the Trainer compiles the model "
+                                         r"\(TrainingArguments\(torch_compile=True\)\).*"
+                                         r"torch_compile=False"):
+        hf.watch_callback(trainer, every=2)
+    assert not any(type(c).__name__ == "WatchCallback"
+                   for c in trainer.callback_handler.callbacks)
+
+
 @pytest.mark.parametrize("reentrant", [
     pytest.param(True, marks=pytest.mark.slow),  # 5 s; tests/test_watching.py has it fast
     False])
@@ -790,3 +853,62 @@ def test_watch_under_gradient_checkpointing_has_the_rows_of_a_plain_step(reentra
     assert len(same) > len(plain.outputs) / 2
     for name in same:  # the same values, measured once
         assert checkpointed_record.outputs[name].amax == plain.outputs[name].amax, name
+
+
+def test_check_reads_a_hugging_face_checkpoint_by_the_names_transformers_loads_it_as(
+        tmp_path: Path) -> None:
+    """transformers renames keys on load: ViT's saved `encoder.layer.0.attention.attention.query`
+    is the model's `layers.0.attention.q_proj`, and a hub-layout Mixtral's per-expert
+    `block_sparse_moe.experts.3.w1` fuses into `mlp.experts.gate_up_proj`. 0.4 reported every
+    renamed tensor missing and every saved key unexpected (32 + 32 for this ViT); given the
+    model, check reads each key as from_pretrained does. Given only the plan it cannot."""
+    from safetensors.torch import save_file
+
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=32, image_size=16, patch_size=8)
+    vit = transformers.ViTModel(cfg)
+    annotate(vit, {nn.LayerNorm: "fp32"})
+    apply(vit, default="bf16")
+    vit.save_pretrained(tmp_path / "vit")
+    from precision_annot import check
+
+    assert check(vit, "checkpoint", {"path": tmp_path / "vit"}) == []
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2))
+    annotate(mixtral, {"model.layers.*.mlp.gate": "fp32"})
+    apply(mixtral, default="bf16")
+    hub: dict[str, torch.Tensor] = {}  # the layout of Mixtral's hub checkpoints, all bf16
+    for key, value in mixtral.state_dict().items():
+        if ".mlp.experts." not in key:
+            hub[key.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = value.to(bf16)
+    for layer in range(2):
+        for e in range(4):
+            at = f"model.layers.{layer}.block_sparse_moe.experts.{e}"
+            hub[f"{at}.w1.weight"] = hub[f"{at}.w3.weight"] = torch.zeros(64, 32, dtype=bf16)
+            hub[f"{at}.w2.weight"] = torch.zeros(32, 64, dtype=bf16)
+    (tmp_path / "hub").mkdir()
+    save_file({k: v.clone() for k, v in hub.items()}, str(tmp_path / "hub" / "model.safetensors"))
+    mixtral.config.save_pretrained(tmp_path / "hub")
+    found = check(mixtral, "checkpoint", {"path": tmp_path / "hub"})
+    assert [(f.severity, f.code, f.modules) for f in found] == [
+        ("error", "checkpoint-narrowed", (f"model.layers.{i}.mlp.gate",)) for i in range(2)]
+    loaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hub")  # what it reads
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.shape == (4, 128, 32)
+
+
+@pytest.mark.slow  # a Llama saved and loaded: 4-11 s
+def test_from_pretrained_in_fp16_reads_back_what_fp16_cannot_hold(tmp_path: Path) -> None:
+    """`from_pretrained(..., dtype=torch.float16)` of a bf16 plan: fp16 has bf16's bits but not
+    its range, so bf16 weights below fp16's normal range came back rounded; 0.4 read back only
+    tensors planned wider than the load's dtype, and said nothing."""
+    model, _ = annotated("llama")
+    apply(model, default="bf16")
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1e-4)  # fp16 subnormals
+    hf.save_pretrained(model, tmp_path)
+    loaded = hf.from_pretrained(type(model), tmp_path, dtype=torch.float16)
+    for name, p in model.named_parameters():
+        assert loaded.get_parameter(name).dtype == p.dtype
+        assert torch.equal(loaded.get_parameter(name), p), name

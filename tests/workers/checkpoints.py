@@ -9,6 +9,8 @@ rank writes OUTDIR/rank{N}.json with what it observed:
 - "full": the same checkpoint loaded whole (`dcp.load` into a plain state dict) and set with
   `set_model_state_dict(full_state_dict=True)`, which hands the sharded model new tensors
   (`load_state_dict(assign=True)`);
+- "broadcast": the checkpoint on rank 0 only, set with `broadcast_from_rank0=True` and
+  `cpu_offload=True`;
 - "resume": 2 steps, a DCP checkpoint of model and optimizer (`get_state_dict`), 2 steps more;
   then a fresh sharded model and optimizer loaded from it (`set_state_dict`) and run the same 2
   steps: the parameters of both, to compare bit for bit.
@@ -102,6 +104,21 @@ def load_full(path: Path) -> dict[str, Any]:
                                                  if "narrower" in str(w.message)]}
 
 
+def load_broadcast(rank: int) -> dict[str, Any]:
+    """The checkpoint on rank 0 only, broadcast by `set_model_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True, cpu_offload=True)`: torch casts each tensor into the model's
+    dtype while broadcasting, before `load_state_dict` runs."""
+    model = sharded(seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_model_state_dict(model, reference_bf16() if rank == 0 else {},
+                             options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                      broadcast_from_rank0=True))
+    model(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum().backward()  # it still runs
+    return {"params": local(model), "warnings": [str(w.message) for w in caught
+                                                 if "narrower" in str(w.message)]}
+
+
 def steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, start: int) -> None:
     for step in range(start, start + 2):
         gen = torch.Generator().manual_seed(1000 * rank + step)
@@ -141,6 +158,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "sharded": load_sharded(outdir / "bf16"),
         "full": load_full(outdir / "bf16"),
+        "broadcast": load_broadcast(rank),
         "resume": resume(outdir / "resume", rank),
         "reference": {k: v.double().tolist() for k, v in reference_bf16().items()},
     }

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -189,6 +189,44 @@ def gaps(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
         out["cost"] = cost(models, x, repeats)
     out["seeds"] = [[*out["bf16"], *out["fp32"], *out["self_gap"]]]
     out["seeds"] += [seed_gaps(mesh, n, d, hidden, seed) for seed in range(1, seeds)]
+    out["sequence"] = sequence(mesh)
+    return out
+
+
+def sequence(mesh: DeviceMesh) -> dict[str, Any]:
+    """Sequence parallel (fp32 LayerNorm islands, row-parallel Linears with a bias and a
+    sequence-sharded output), comm=fp32, against one rank: the gradient gap of each
+    parameter, under the planned styles and under torch's; and audit of an fp32 island whose
+    column-parallel output is gathered in TP's output hook."""
+    torch.manual_seed(0)
+    base = Blocks(1, 16, 32, norm=True)
+    x = torch.randn(4, 8, 16)
+    world, rank = mesh.size(), mesh.get_local_rank()
+
+    def planned() -> nn.Module:
+        model = copy.deepcopy(base)
+        annotate(model, {nn.LayerNorm: "fp32", nn.Linear: "comm=fp32"})
+        return apply(model, default="bf16-mixed")
+
+    one = step(planned(), x)
+    out: dict[str, Any] = {}
+    for name, parallelize in (("ours", tp.parallelize_module), ("torch", torch_parallelize)):
+        model = parallelize(planned(), mesh, sp_plan(1))
+        model.zero_grad(set_to_none=True)
+        local = model(x.chunk(world, dim=1)[rank])
+        # each rank's loss is its shard's share of the mean: the TP ranks' gradients add up
+        (local.float().square().mean() / world).backward()
+        got = full(DTensor.from_local(local, mesh, (Shard(1),))).detach().double()
+        out[name] = {"out": gap(got, one[0]), **{
+            k: gap(full(p.grad).double(), one[1][k]) for k, p in model.named_parameters()}}
+    # an fp32 island, column-parallel, its output gathered (all-gathered in TP's output hook)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    annotate(model, {"1": "fp32"})
+    apply(model, default="bf16-mixed")
+    tp.parallelize_module(model, mesh, {"1": ColwiseParallel(output_layouts=Replicate())})
+    with audit(model) as report:
+        model(torch.randn(4, 16)).float().sum().backward()
+    out["gathered_divergences"] = [str(v) for v in report.divergences]
     return out
 
 
@@ -548,6 +586,40 @@ def replicated_grads(mesh: DeviceMesh) -> dict[str, Any]:
             "agree": all(torch.equal(everyone[0], w) for w in everyone)}
 
 
+def inductor(mesh: DeviceMesh, outdir: Path) -> dict[str, Any]:
+    """Sequence parallel (a row-parallel bias, an fp32 LayerNorm), comm=fp32, compiled with
+    inductor against eager: inductor skips a bf16 rounding whose result a fused kernel reads
+    (the planned styles' roundings, and every boundary's exit cast), unless
+    `emulate_precision_casts` is set. Gaps (output, gradients) for both settings."""
+    import torch._inductor.config as inductor_config
+
+    # each rank its own cache: two ranks compiling one kernel wait on one file lock
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(outdir / f"inductor{dist.get_rank()}")
+    torch.manual_seed(0)
+    base = Blocks(1, 16, 32, norm=True)
+    x = torch.randn(4, 8, 16).chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+
+    def build() -> nn.Module:
+        model = copy.deepcopy(base)
+        annotate(model, {nn.LayerNorm: "fp32", nn.Linear: "comm=fp32"})
+        apply(model, default="bf16-mixed")
+        return tp.parallelize_module(model, mesh, sp_plan(1))
+
+    eager = step(build(), x)
+    out = {}
+    saved = inductor_config.emulate_precision_casts
+    try:
+        for emulate in (False, True):
+            inductor_config.emulate_precision_casts = emulate
+            torch._dynamo.reset()
+            model = build()
+            got = step_fn(model, torch.compile(model, fullgraph=True), x)
+            out[str(emulate)] = [gap(got[0], eager[0]), grad_gap(got[1], eager[1])]
+    finally:
+        inductor_config.emulate_precision_casts = saved
+    return out
+
+
 def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     """What users run around a model: a Llama, torch.compile(fullgraph=True), activation
     checkpointing, a forward without gradients, torch.distributed.checkpoint."""
@@ -588,6 +660,7 @@ def loops(mesh: DeviceMesh, args: list[str]) -> dict[str, Any]:
     other.load_state_dict(state)
     return {
         "replicated": replicated_grads(mesh),
+        "inductor": inductor(mesh, Path(args[0])),
         "llama": llama(mesh),
         "compiled": bool(torch.equal(got[0], eager[0]))
         and all(torch.equal(got[1][k], eager[1][k]) for k in eager[1]),

@@ -17,15 +17,21 @@ saved dtype compared with the dtype the plan keeps it in:
 
 A parameter whose plan keeps a master copy (`master=fp32` over bf16 storage) is kept in the
 master's dtype: the checkpoint's master for it (a tensor named `<name>.master` under any
-prefix, as an optimizer's state flattens under DCP, or `state.<index>.master` in an
-optimizer's own `state_dict()`, its parameters in the model's order) is compared with that
-dtype; without one, a resumed run
+prefix, as an optimizer's state flattens) is compared with that dtype; without one, a resumed run
 starts its master from the saved weight, which a warning says when that weight is narrower.
+
+A checkpoint that holds none of the model's tensors under any prefix (an optimizer's own state
+dict, another model's weights) is one error, not a list of every key. Keys a loader renames are
+read as it renames them: for a Hugging Face model (given as the model, not its plan), each key
+goes through transformers' own conversions, as `from_pretrained` reads it (ViT's
+`encoder.layer.0` is the model's `layers.0`; per-expert weights fuse into one tensor, whose
+shape is then not compared).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -39,7 +45,7 @@ from precision_annot._src.findings import Finding, listing
 from precision_annot._src.plan import PrecisionPlan, TensorInfo, parent_name
 from precision_annot._src.runtime import Subject
 
-__all__ = ["CHECKS", "CheckpointChecks", "checkpoint_findings"]
+__all__ = ["CHECKS", "KEY_MAPS", "CheckpointChecks", "checkpoint_findings", "loaded_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +71,8 @@ def _planned(plan: PrecisionPlan) -> dict[str, _Planned]:
     return out
 
 
-def _prefix(planned: Mapping[str, _Planned], saved: Mapping[str, Saved]) -> str:
-    """The prefix under which the most of the model's tensors are saved ("" on a tie)."""
+def _prefixes(planned: Mapping[str, object], saved: Mapping[str, object]) -> dict[str, int]:
+    """Each prefix under which tensors of the model are saved, with how many."""
     counts: dict[str, int] = {}
     for key in saved:
         parts = key.split(".")
@@ -75,37 +81,38 @@ def _prefix(planned: Mapping[str, _Planned], saved: Mapping[str, Saved]) -> str:
                 prefix = ".".join(parts[:i])
                 counts[prefix + "." if prefix else ""] = counts.get(
                     prefix + "." if prefix else "", 0) + 1
+    return counts
+
+
+def _prefix(planned: Mapping[str, object], saved: Mapping[str, object]) -> str:
+    """The prefix under which the most of the model's tensors are saved (the shortest on a
+    tie)."""
+    counts = _prefixes(planned, saved)
     return max(sorted(counts), key=lambda p: (counts[p], -len(p)), default="")
 
 
-def _masters(saved: Mapping[str, Saved], planned: Mapping[str, _Planned]) -> dict[str, Saved]:
-    """The master copies a checkpoint holds, by the parameter name they end with. An
-    optimizer's own `state_dict()` (`torch.save`d) keys its state by the index of each
-    parameter in its groups (`state.<index>.master`): where its groups name no parameters,
-    index k is read as the k-th parameter of the model, the order
-    `precision_annot.optimizer(model, ...)` and `model.parameters()` give."""
-    order = [name for name, p in planned.items() if not p.info.buffer and p.info.tied is None]
-    out: dict[str, Saved] = {}
-    for key, value in saved.items():
-        if not key.endswith(".master"):
-            continue
-        holder = key[:-len(".master")]
-        head, _, index = holder.rpartition(".")
-        if index.isdigit() and (head == "state" or head.endswith(".state")) \
-                and int(index) < len(order):
-            holder = f"{head}.{order[int(index)]}"
-        out[holder] = value
-    return out
+def _masters(planned: Mapping[str, _Planned], saved: Mapping[str, Saved]) -> dict[str, Saved]:
+    """The master copies a checkpoint holds (`<prefix><name>.master`), by the name of the
+    parameter they are the master of."""
+    masters = {key[:-len(".master")]: value for key, value in saved.items()
+               if key.endswith(".master")}
+    prefix = _prefix(planned, masters)
+    return {key[len(prefix):]: value for key, value in masters.items()
+            if key.startswith(prefix)}
 
 
-def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: str
-                        ) -> list[Finding]:
+def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: str,
+                        merged: frozenset[str] = frozenset()) -> list[Finding]:
     """What loading the checkpoint `saved` (its tensors' dtypes and shapes, by key) into the
-    plan's model would do, as findings."""
+    plan's model would do, as findings; `merged` are keys that stand for several saved tensors
+    a loader fuses (their shape is the pieces', not compared)."""
     planned = _planned(plan)
+    counts = _prefixes(planned, saved)
+    if planned and not counts:
+        return [_foreign(planned, saved, where)]
     prefix = _prefix(planned, saved)
-    masters = _masters(saved, planned)
-    out: list[Finding] = []
+    masters = _masters(planned, saved)
+    out: list[Finding] = _ambiguous(counts, prefix, where)
     widened: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
     missing: list[str] = []
     no_master: list[str] = []
@@ -115,22 +122,31 @@ def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: 
             tie = want.info.tied
             if tie is None or prefix + tie not in saved:
                 missing.append(name)
-            continue
-        if got.shape != want.info.shape:
-            out.append(_shape(name, got, want, where))
-            continue
-        if want.info.dtype.is_floating_point and got.dtype.is_floating_point:
-            out += _compare(name, got.dtype, want.keep, where, widened)
-        if want.master is not None:
-            master = next((m for k, m in masters.items() if k == name or k.endswith("." + name)),
-                          None)
-            if master is not None:
-                out += _compare(f"{name} (its master)", master.dtype, want.master, where, {})
-            elif not wider(got.dtype, want.master) and got.dtype != want.master:
-                no_master.append(name)
+        elif got.dtype is not None:  # a dtype torch has none for (F4): present, not compared
+            if got.shape != want.info.shape and prefix + name not in merged:
+                out.append(_shape(name, got, want, where))
+                continue
+            out += _tensor(name, got.dtype, want, masters.get(name), where, widened, no_master)
     out += _widened(widened, where) + _missing(missing, where) + _no_masters(
-        plan, no_master, planned, where)
+        plan, no_master, planned, where, _indexed_masters(saved))
     out += _unexpected(planned, saved, prefix, where)
+    return out
+
+
+def _tensor(name: str, dtype: torch.dtype, want: _Planned, master: Saved | None, where: str,
+            widened: dict[tuple[torch.dtype, torch.dtype], list[str]], no_master: list[str]
+            ) -> list[Finding]:
+    """One tensor saved in `dtype` (and its master, if saved) against what the plan keeps."""
+    out = []
+    if want.info.dtype.is_floating_point and dtype.is_floating_point:
+        out += _compare(name, dtype, want.keep, where, widened)
+    elif want.info.dtype.is_floating_point:
+        out.append(_kind(name, dtype, want.keep, where))
+    if want.master is not None:
+        if master is not None and master.dtype is not None:
+            out += _compare(f"{name} (its master)", master.dtype, want.master, where, {})
+        elif master is None and not wider(dtype, want.master) and dtype != want.master:
+            no_master.append(name)
     return out
 
 
@@ -153,6 +169,22 @@ def _compare(name: str, dtype: torch.dtype, keep: torch.dtype, where: str,
         "gone.",
         "Load it from a checkpoint saved as the plan keeps it (the applied model's own "
         "state_dict, adapters.transformers.save_pretrained), or accept the rounding.")]
+
+
+def _kind(name: str, dtype: torch.dtype, keep: torch.dtype, where: str) -> Finding:
+    """A floating tensor of the model saved as integers, bools, complex or quantized values."""
+    quantized = dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2)
+    does = ("load_state_dict refuses it (\"Copying from quantized Tensor to non-quantized "
+            "Tensor is not allowed\")" if quantized else
+            "load_state_dict copies the imaginary part away, silently" if dtype.is_complex else
+            "load_state_dict copies the stored numbers into it as values, silently (no scale: "
+            "a quantized checkpoint's codes, not its weights)")
+    return Finding(
+        "error", "checkpoint-kind", _module(name),
+        f"{where} holds {name!r} in {dtype_name(dtype)}, and the model holds it as a floating "
+        f"tensor ({dtype_name(keep)}): {does}.",
+        "Load it with the loader that wrote it (it dequantizes), or from a floating "
+        "checkpoint.")
 
 
 def _shape(name: str, got: Saved, want: _Planned, where: str) -> Finding:
@@ -185,12 +217,21 @@ def _missing(missing: list[str], where: str) -> list[Finding]:
         "on purpose.", tuple(dict.fromkeys(_module(n) for n in missing)))]
 
 
+def _indexed_masters(saved: Mapping[str, Saved]) -> list[Saved]:
+    """Master copies keyed by the optimizer's parameter index (`state.3.master`: a `torch.save`
+    of `optimizer.state_dict()`), which name no parameter."""
+    return [v for k, v in saved.items()
+            if k.endswith(".master") and k.rsplit(".", 2)[-2].isdigit()]
+
+
 def _no_masters(plan: PrecisionPlan, names: list[str], planned: Mapping[str, _Planned],
-                where: str) -> list[Finding]:
+                where: str, indexed: list[Saved]) -> list[Finding]:
     if not names:
         return []
     want = planned[names[0]].master
     assert want is not None
+    if indexed:
+        return [_by_index(names, want, indexed, where)]
     return [Finding(
         "warning", "checkpoint-no-masters", _module(names[0]) if len(names) == 1 else "",
         f"{where} holds no master copy for {len(names)} parameter(s) whose plan keeps "
@@ -201,11 +242,34 @@ def _no_masters(plan: PrecisionPlan, names: list[str], planned: Mapping[str, _Pl
         "from the weights, nothing to do.", tuple(dict.fromkeys(_module(n) for n in names)))]
 
 
+def _by_index(names: list[str], want: torch.dtype, indexed: list[Saved], where: str
+              ) -> Finding:
+    """Masters saved by index: their dtypes are compared as a whole, not by parameter."""
+    dtypes = sorted({m.dtype for m in indexed if m.dtype is not None}, key=str)
+    narrow = [d for d in dtypes if d != want and not wider(d, want)]
+    said = (f"{where} holds {len(indexed)} master copies keyed by the optimizer's parameter "
+            f"index (a torch.save of optimizer.state_dict()), in "
+            f"{', '.join(map(dtype_name, dtypes)) or 'no dtype read'}, so they are not matched "
+            f"to the {len(names)} parameter(s) whose plan keeps {dtype_name(want)} masters "
+            f"({listing(names)})")
+    if narrow:
+        return Finding("error", "checkpoint-narrowed", "",
+                       f"{said}; those in {', '.join(map(dtype_name, narrow))} are narrower than "
+                       "the plan keeps them: a resumed run widens them with their rounding.",
+                       "Save the optimizer's masters in the dtype the plan keeps them.",
+                       tuple(dict.fromkeys(_module(n) for n in names)))
+    return Finding("info", "checkpoint-masters-by-index", "",
+                   f"{said}; none is narrower than the plan keeps them.",
+                   "To have each compared by name, save with torch.distributed.checkpoint's "
+                   "get_state_dict (its optimizer state is keyed by parameter name).",
+                   tuple(dict.fromkeys(_module(n) for n in names)))
+
+
 def _unexpected(planned: Mapping[str, _Planned], saved: Mapping[str, Saved], prefix: str,
                 where: str) -> list[Finding]:
     extra = [k[len(prefix):] for k, v in saved.items() if k.startswith(prefix)
-             and v.dtype.is_floating_point and k[len(prefix):] not in planned
-             and not k.endswith(".master")]
+             and v.dtype is not None and v.dtype.is_floating_point
+             and k[len(prefix):] not in planned and not k.endswith(".master")]
     if not extra:
         return []
     return [Finding(
@@ -213,6 +277,67 @@ def _unexpected(planned: Mapping[str, _Planned], saved: Mapping[str, Saved], pre
         f"{where} holds {len(extra)} floating tensor(s) that are no tensor of the model "
         f"({listing(extra)}): load_state_dict(strict=True) refuses it.",
         "Check that the checkpoint is of this model (or another layout of it: renamed keys).")]
+
+
+def _foreign(planned: Mapping[str, _Planned], saved: Mapping[str, Saved], where: str
+             ) -> Finding:
+    """A checkpoint that holds none of the model's tensors, under any prefix."""
+    keys = list(saved)
+    what = (" It is an optimizer's state_dict (its 'state' and 'param_groups'), which names "
+            "parameters by their index, not a model's." if {k.split(".")[0] for k in keys}
+            <= {"state", "param_groups"} and keys else "")
+    return Finding(
+        "error", "checkpoint-foreign", "",
+        f"{where} holds none of the model's {len(planned)} tensor(s) under any prefix (it "
+        f"holds {len(keys)} tensor(s): {listing(keys) if keys else 'none'}).{what} "
+        "load_state_dict(strict=True) refuses it, and a strict=False load loads nothing.",
+        "Check the model's own checkpoint (its state_dict, or the file holding it beside the "
+        "optimizer's); for a checkpoint whose keys a loader renames (Hugging Face), pass the "
+        "model, not its plan.")
+
+
+def _ambiguous(counts: Mapping[str, int], prefix: str, where: str) -> list[Finding]:
+    """The model's tensors saved as often under another prefix (an EMA copy beside them)."""
+    others = sorted(p for p, n in counts.items() if n == counts[prefix] and p != prefix)
+    if not others:
+        return []
+    return [Finding(
+        "info", "checkpoint-prefix", "",
+        f"{where} holds the model's tensors under {len(others) + 1} prefixes "
+        f"({listing([prefix, *others])}); this check read those under {prefix!r}.",
+        "Load the copy you mean by its prefix (state[...] before load_state_dict).")]
+
+
+#: how a checkpoint's keys become the model's tensor names for a loader that renames them, by
+#: the package of the model's class: "module:function", imported only for such a model (as
+#: `check_backend.REGISTRY` names backends). The function takes the model and the keys, and
+#: gives each key the loader reads into another name that name, and whether several keys are
+#: fused into it.
+KEY_MAPS: dict[str, str] = {
+    "transformers": "precision_annot.adapters.transformers:checkpoint_names",
+}
+
+
+def loaded_keys(model: object, saved: Mapping[str, Saved]
+                ) -> tuple[dict[str, Saved], frozenset[str]]:
+    """`saved` with its keys as the model's loader reads them (`KEY_MAPS`), and the names that
+    several saved tensors are fused into (each seen in the narrowest dtype of its pieces)."""
+    where = KEY_MAPS.get(type(model).__module__.partition(".")[0])
+    if where is None:
+        return dict(saved), frozenset()
+    module_name, _, attribute = where.partition(":")
+    names = getattr(importlib.import_module(module_name), attribute)(model, list(saved))
+    out: dict[str, Saved] = {}
+    merged: set[str] = set()
+    for key, value in saved.items():
+        name, fused = names.get(key, (key, False))
+        if fused:
+            merged.add(name)
+        held = out.get(name)
+        if held is None or (held.dtype is not None and value.dtype is not None
+                            and wider(held.dtype, value.dtype)):
+            out[name] = value
+    return out, frozenset(merged)
 
 
 class CheckpointChecks(CheckBackend):
@@ -235,8 +360,9 @@ class CheckpointChecks(CheckBackend):
 
     def run(self, given: Subject, options: Any) -> Checked:
         path = options["path"]
-        return Checked(checkpoint_findings(given.plan, saved_tensors(path),
-                                           f"The checkpoint {str(path)!r}"))
+        saved, merged = loaded_keys(given.model, saved_tensors(path))
+        return Checked(checkpoint_findings(given.plan, saved, f"The checkpoint {str(path)!r}",
+                                           merged))
 
 
 CHECKS = CheckpointChecks()

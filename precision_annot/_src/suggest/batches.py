@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,10 +35,23 @@ def as_loss_fn(loss_fn: Callable[..., torch.Tensor] | None) -> LossFn | None:
     return lambda output, sample: loss_fn(output)
 
 
-def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def _batch_leaf(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The first tensor along the batch dimension: the first dimension most of the sample's
+    tensors share, a leading 1 only where none is larger (a 0-dim tensor, or `position_ids`
+    of shape (1, S) broadcast over the batch, is not the batch)."""
     leaves: list[torch.Tensor] = []
     _tensor_leaves((args, kwargs), leaves)
-    return int(leaves[0].shape[0]) if leaves and leaves[0].dim() else 0
+    sized = [t for t in leaves if t.dim()]
+    if not sized:
+        return None
+    counts = Counter(int(t.shape[0]) for t in sized)
+    size = max(counts, key=lambda n: (n > 1, counts[n]))  # the first of equals
+    return next(t for t in sized if t.shape[0] == size)
+
+
+def _batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    leaf = _batch_leaf(args, kwargs)
+    return 0 if leaf is None else int(leaf.shape[0])
 
 
 def _tensor_leaves(obj: Any, out: list[torch.Tensor]) -> None:
@@ -51,18 +65,16 @@ def _tensor_leaves(obj: Any, out: list[torch.Tensor]) -> None:
 def rows_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """How many rows (tokens, samples) the sample holds: all but the last dimension of a
     floating input, every element of an integer one."""
-    leaves: list[torch.Tensor] = []
-    _tensor_leaves((args, kwargs), leaves)
-    if not leaves:
+    t = _batch_leaf(args, kwargs)
+    if t is None:
         return 0
-    t = leaves[0]
     return int(t.numel() // (t.shape[-1] if t.is_floating_point() and t.dim() > 1 else 1))
 
 
 def _split(args: tuple[Any, ...], kwargs: dict[str, Any], parts: int
            ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The sample cut along its batch dimension (the first dimension of its first tensor):
-    every tensor with that first dimension is cut, others are shared."""
+    """The sample cut along its batch dimension (see `_batch_leaf`): every tensor with that
+    first dimension is cut, others are shared."""
     size = _batch_size(args, kwargs)
     bounds = [size * i // parts for i in range(parts + 1)]
 

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.suggest.compare import finite_peak
 from precision_annot._src.suggest.constants import KERNELS, MAX_CHECKS, OUTSIDE
@@ -194,6 +195,8 @@ def _next_island(search: Search, sample: Sample, islands: Islands, last: Check,
                                _runs_above(structure, handed[-1]) or handed[-1], low_max)
         return Move(target, out32, "an island's fp32 output could not be taken by its caller",
                      exact=True)
+    if last.crashed is not None:  # the plan's run raised: errors say nothing, where it did
+        return _by_raise(search, islands, last)
     # a run that ended finite failed by its errors: a non-finite value its watch saw on the
     # way (a scaled backward that overflowed and was retried at a lower scale, as a
     # GradScaler skips a step) is not why
@@ -230,6 +233,27 @@ def _by_culprit(search: Search, sample: Sample, islands: Islands, culprit: str,
     return Move(culprit, False, "a non-finite value arose in it")
 
 
+RAISED = "the plan's run raised in its own code"
+
+
+def _by_raise(search: Search, islands: Islands, last: Check) -> Move | str:
+    """Where the plan's run raised (its code meets a dtype it cannot take: a tensor it makes
+    in fp32 multiplied with a low one, where no autocast casts them): the module it raised in
+    becomes an island, computing in fp32 on fp32 inputs. Where that is the root, an island
+    already, or no module, no island can help, and the error is named."""
+    where = last.raised_in
+    if where and covering(where, islands) is None:
+        return Move(where, False, RAISED)
+    low = dtype_name(search.policy.compute)
+    at = ("outside the model (in loss_fn or the backward)" if where is None else
+          "in the model's own code (the root, which cannot be an island)" if not where else
+          f"inside the fp32 island {covering(where, islands)!r}, in {where!r}")
+    return (f"No plan short of the whole model in fp32 meets the tolerance: the plan's run "
+            f"raised {at}: {last.crashed}. Code that makes its own fp32 tensors and mixes them "
+            f"with {low} ones needs autocast to cast them (a '-mixed' low: '16-mixed', "
+            f"'bf16-mixed'), or a cast in the code.")
+
+
 def _by_room(islands: Islands, name: str) -> Move | str:
     """Where a module's output, held in the low dtype, came within the margin of its largest
     value (on data it was not chosen on, it may overflow): the module hands back fp32, as an
@@ -258,10 +282,7 @@ def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: fl
                    and not any(covering(i, {s.name: False}) for i in islands)
                    and s.name not in broke), None)
     if target is None:
-        return ("No plan short of the whole model in fp32 meets the tolerance: every module "
-                "measured alone is an island already, holds one, or could not be run alone. "
-                "The errors reached: "
-                + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
+        return _no_candidate(last, table, broke)
     if target == "":
         return _NO_CALLER
     grads_only = (last.grad_error is not None and last.grad_error > limit
@@ -270,6 +291,18 @@ def _by_error(islands: Islands, last: Check, table: list[Sensitivity], limit: fl
     # an island whose fp32 output does not fit the low dtype hands it back in fp32
     return Move(target, not fits(target), "gradients" if grads_only else "sensitive",
                 exact=True, by_error=True)
+
+
+def _no_candidate(last: Check, table: list[Sensitivity], broke: Collection[str]) -> str:
+    """Why no module is left to try by error: each is an island, holds one, was tried and
+    not kept (`broke`), or could not be run alone."""
+    tried = [s.name for s in table if s.name in broke]
+    return ("No plan short of the whole model in fp32 meets the tolerance: every module "
+            "measured alone is an island already, holds one, "
+            + (f"was tried as one and did not bring the worst error down by more than "
+               f"{KERNELS:g}x ({', '.join(repr(t) for t in tried)}), " if tried else "")
+            + "or could not be run alone. The errors reached: "
+            + ", ".join(f"{k} {v:.2e}" for k, v in last.errors().items()) + ".")
 
 
 def _near(search: Search, check: Check, limit: float) -> bool:

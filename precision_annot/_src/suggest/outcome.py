@@ -131,6 +131,9 @@ def _nearest_message(search: Search, final: Check, held: list[Check]) -> str:
             f"({count} island{'' if count == 1 else 's'}{share}): its worst error is "
             f"{error:.2e} ({error / search.tolerance:.2f} of the tolerance, on the "
             f"{worst.sample} batch).")
+    if error >= 1:  # a relative error of 1 is what zeros measure: no tolerance makes it useful
+        return said + (" An error of 1 or more is no closer to fp32 than zeros are: keep the "
+                       "model in fp32.")
     if error > search.tolerance:
         return said + f" Use it at a tolerance of {error:.2g} or more, or keep the model in fp32."
     crowded = next((c for c in [final, *held] if c.crowded is not None), None)

@@ -48,14 +48,18 @@ from precision_annot._src.suggest.reference import (
 )
 from precision_annot._src.suggest.report import Sensitivity, Suggestion
 from precision_annot._src.suggest.search import Search, sizes_of, ties_of
+from precision_annot._src.wrappers import unwrap
 
 
 def require_numbers(tolerance: object, margin: object) -> None:
+    """The tolerance is a relative error: 1 is what an output of zeros measures, so a
+    tolerance of 1 or more would call a plan whose values all flush to zero met."""
     for value, what in ((tolerance, "tolerance"), (margin, "margin")):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not (
-                0 < value < math.inf) or (what == "margin" and value > 1):
-            raise ValueError(f"suggest({what}=...) must be a number above 0"
-                             f"{' and at most 1' if what == 'margin' else ''}. Received: "
+                0 < value < math.inf) or value > 1 or (what == "tolerance" and value == 1):
+            valid = ("above 0 and below 1 (a relative error of 1 is what an output of zeros "
+                     "measures)" if what == "tolerance" else "above 0 and at most 1")
+            raise ValueError(f"suggest({what}=...) must be a number {valid}. Received: "
                              f"{what}={value!r}")
 
 
@@ -99,13 +103,13 @@ def suggest(
             `sample` is the batch that output came from (a part of `sample`, or a held-out
             batch); with it the backward is checked too, and for fp16 the gradients that would
             underflow at a dynamic loss scale are measured. (Default: None)
-        tolerance: the largest relative error allowed, end to end, on held-out batches; the
-            calibration batch is held to `margin` times it. None takes 2e-2 for fp16, 1e-1 for
-            bf16 and 2e-1 for fp8 (the calibration batch then at 1e-2, 5e-2 and 1e-1).
-            (Default: None)
-        held_out: batches to verify the plan on. None cuts `sample` along its first dimension:
-            the first half calibrates, the second half (in two) is held out; [] holds nothing
-            out. (Default: None)
+        tolerance: the largest relative error allowed, end to end, on held-out batches, above
+            0 and below 1 (1 is what an output of zeros measures); the calibration batch is
+            held to `margin` times it. None takes 2e-2 for fp16, 1e-1 for bf16 and 2e-1 for
+            fp8 (the calibration batch then at 1e-2, 5e-2 and 1e-1). (Default: None)
+        held_out: batches to verify the plan on. None cuts `sample` along its batch dimension
+            (the first dimension most of its tensors share): the first half calibrates, the
+            second half (in two) is held out; [] holds nothing out. (Default: None)
         margin: the share of the tolerance the calibration batch is held to, and the share
             of the low dtype's largest value its module outputs held in that dtype may reach,
             so that the plan keeps room on batches it was not chosen on. (Default: 0.5)
@@ -136,6 +140,9 @@ def suggest(
     """
     start = time.perf_counter()
     require_module(model, "suggest")
+    # the model inside DDP, torch.compile, ...: every check runs a copy of it, and a copy of a
+    # compiled wrapper compiles again on every check (the plan fits the wrapper all the same)
+    model = unwrap(model)
     policy, island = low_policies(low)
     low_dtype = policy.compute
     assert low_dtype is not None

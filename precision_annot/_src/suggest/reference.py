@@ -187,6 +187,7 @@ def fp32_copy(model: nn.Module, training: bool) -> nn.Module:
     never computes in, and a plan would be chosen for values training does not see."""
     reference = copy.deepcopy(model)
     remove(reference)
+    _eager(reference)
     reference.float()
     reference.eval()
     if training:
@@ -195,6 +196,17 @@ def fp32_copy(model: nn.Module, training: bool) -> nn.Module:
                 module.train()
     reference.zero_grad(set_to_none=True)
     return reference
+
+
+def _eager(model: nn.Module) -> None:
+    """The copy runs eager: a module compiled in place (`module.compile()`, as FSDP2 recipes
+    compile each layer) would compile again in every copy a check makes.
+
+    NOTE: `nn.Module.compile` keeps its compiled call in `_compiled_call_impl`, which no public
+    API clears; a copy carries it along."""
+    for module in model.modules():
+        if module.__dict__.get("_compiled_call_impl") is not None:
+            module._compiled_call_impl = None
 
 
 def first_scale(low: torch.dtype, ref: Reference) -> float:

@@ -73,7 +73,9 @@ class Check:
         fp32_params: the parameter elements its islands hold.
         outputs: the islands that hand their output back in fp32.
         crashed: the error the plan's run raised (a caller that cannot take an island's fp32
-            output, in a model without autocast), or None.
+            output, in a model without autocast; code that refuses the low dtype), or None.
+        raised_in: the module in whose own code the run raised ("" for the root), or None (it
+            did not raise, or raised outside every module: in `loss_fn` or the backward).
         crowded: on the calibration batch, the first module whose output, held in the low
             dtype, reached past `margin` of that dtype's largest value, and the share it
             reached; the plan then fails, as data it was not chosen on may overflow. None:
@@ -92,6 +94,7 @@ class Check:
     fp32_params: int = 0
     crashed: str | None = None
     crowded: tuple[str, float] | None = None
+    raised_in: str | None = None
 
     def errors(self) -> dict[str, float]:
         out = {"output": self.output_error}
@@ -121,7 +124,8 @@ class Check:
                 "errors": {k: number(v) for k, v in self.errors().items()},
                 "failed": self.failed, "passed": self.passed,
                 "first_nonfinite": self.first_nonfinite, "fp32_params": self.fp32_params,
-                "crashed": self.crashed, "crowded": None if self.crowded is None else {
+                "crashed": self.crashed, "raised_in": self.raised_in,
+                "crowded": None if self.crowded is None else {
                     "module": self.crowded[0], "share": self.crowded[1]}}
 
 

@@ -158,14 +158,16 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
     tracker = ModuleTracker({m: n for n, m in model.named_modules()})
     mode = Watch(tracker, baseline=search.full(sample).nonfinite if watch else None)
     errors: list[float | None] = [math.inf, None, None]  # output, loss, gradients
-    crashed = None
+    crashed = raised_in = None
     room = Room(model, sample, search.policy.compute)
     try:
         with (tracker if watch else contextlib.nullcontext()), (
                 mode if watch else contextlib.nullcontext()), room:
             _compare(search, model, sample, errors)
-    except RuntimeError as e:  # the plan itself fails (an fp32 output its caller cannot take)
+    except Exception as e:  # the plan itself fails: an fp32 output its caller cannot take, a
+        # dtype an op or the model's own code refuses (any exception: a check of its own)
         crashed = f"{type(e).__name__}: {e}"[:300]
+        raised_in = _raised_in(e, {m: n for n, m in model.named_modules()})
         errors[0] = math.inf
         errors[1] = None if errors[1] is None else math.inf
     finally:
@@ -175,7 +177,21 @@ def run_check(search: Search, islands: Islands, sample: Sample, limit: float, *,
     return Check(tuple(islands), tuple(i for i, out in islands.items() if out), output_error,
                  loss_error, grad_error, mode.first_nonfinite if watch else None,
                  _passes(errors, limit, room.crowded), sample.label, limit,
-                 search.fp32_params(islands), crashed, room.crowded)
+                 search.fp32_params(islands), crashed, room.crowded, raised_in)
+
+
+def _raised_in(error: BaseException, names: dict[nn.Module, str]) -> str | None:
+    """The innermost module whose forward was running when `error` was raised (read from its
+    traceback: no hook to pay for on runs that do not raise), or None: outside every module
+    (the loss function, or the backward, which runs no module's Python)."""
+    where = None
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and owner in names:
+            where = names[owner]
+        tb = tb.tb_next
+    return where
 
 
 def _passes(errors: Any, limit: float, crowded: tuple[str, float] | None) -> bool:

@@ -35,6 +35,7 @@ from precision_annot.adapters.fsdp.export import (
     mixed_units,
     plan_name,
     plan_units,
+    selectors,
     unit_names,
 )
 
@@ -294,6 +295,18 @@ def _small_units(plan: PrecisionPlan, model: nn.Module | None,
 class FSDPChecks(CheckBackend):
     """`check(..., "fsdp")` (FSDP2) and `check(..., "fsdp1")`: the units `fully_shard` (or
     `wrap_policy`) would make, or those of a model already sharded."""
+
+    def options(self, config: Any) -> Any:
+        options = super().options(config)
+        units = (options or {}).get("units")
+        if units is not None:
+            selectors(units, "check: config 'units'")
+        orig = (options or {}).get("use_orig_params", False)
+        if not isinstance(orig, bool):
+            raise TypeError("check: config 'use_orig_params' is FSDP1's flag, True or False. "
+                            f"Received: use_orig_params={orig!r} (of type "
+                            f"{type(orig).__name__})")
+        return options
 
     def run(self, given: Subject, options: Any) -> Checked:
         plan, model = given.plan, given.model

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MIXED_FIX", "Unit", "fully_shard", "masters_as_shards", "mixed_message",
            "mixed_precision", "mixed_units", "plan_name", "plan_units", "precompute_float8_scales",
-           "unit_names", "wrap_policy"]
+           "selectors", "unit_names", "wrap_policy"]
 
 
 def unit_names(
@@ -74,6 +74,17 @@ def _plan_units(plan: PrecisionPlan) -> set[str]:
     return chosen
 
 
+def selectors(units: Any, what: str) -> list[Selector]:
+    """`units` as a list of selectors; a bare string (which would be read letter by letter) or
+    a non-iterable is a `TypeError` naming `what`."""
+    if isinstance(units, (str, bytes)) or not isinstance(units, Iterable):
+        raise TypeError(
+            f"{what} is a list of selectors as annotate takes them (module names or globs, "
+            "module classes, predicates), e.g. ['blocks.*']. Received: "
+            f"units={units!r} (of type {type(units).__name__})")
+    return list(units)
+
+
 def _selected_units(model: nn.Module | None, units: Iterable[Selector] | None) -> set[str]:
     """The modules the user's `units` selectors pick; each selector must pick one."""
     if units is None:
@@ -82,7 +93,7 @@ def _selected_units(model: nn.Module | None, units: Iterable[Selector] | None) -
         raise ValueError("unit_names: selecting units needs the model.")
     named = list(model.named_modules())
     selected: set[str] = set()
-    for selector in units:
+    for selector in selectors(units, "fully_shard: units"):
         match = matcher(selector)
         hits = match.select(named, rule=f"fully_shard: units selector {match.label}")
         if not hits:

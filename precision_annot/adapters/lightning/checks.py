@@ -109,6 +109,7 @@ def _refuse_unknown(config: Mapping[str, Any], plugins: list[Any]) -> None:
             raise ValueError(
                 f"check: config for backend='lightning' has a key neither Trainer nor Fabric "
                 f"takes.{hint} Received: {key!r}. Valid: {', '.join(sorted(valid))}")
+    _refuse_bad_precision(config.get("precision"))
     for plugin in plugins:
         if isinstance(plugin, str) and plugin not in _OURS:
             close = difflib.get_close_matches(plugin, _OURS, n=2)
@@ -117,6 +118,21 @@ def _refuse_unknown(config: Mapping[str, Any], plugins: list[Any]) -> None:
                 f"check: config 'plugins' names no precision plugin of this library.{hint} "
                 f"Received: {plugin!r}. Valid names: {', '.join(map(repr, _OURS))}, or a "
                 "plugin instance")
+
+
+def _refuse_bad_precision(precision: Any) -> None:
+    """A `precision=` Lightning itself refuses ("Precision 7 is invalid") is bad input here too.
+
+    NOTE: Lightning's own check is its private `_convert_precision_to_unified_args` (the
+    connector calls it first thing); asking it keeps the list of valid values Lightning's."""
+    if precision is None:
+        return
+    from lightning.fabric.connector import _convert_precision_to_unified_args
+
+    try:
+        _convert_precision_to_unified_args(precision)
+    except ValueError as e:
+        raise ValueError(f"check: config 'precision' is one Lightning refuses: {e}") from e
 
 
 def _is_precision(plugin: object) -> bool:

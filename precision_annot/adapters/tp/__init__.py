@@ -120,6 +120,22 @@ def _warn_notes(chosen: list[Decision]) -> None:
         warn(f"parallelize_module: {first.message}{more} {first.fix}")
 
 
+def _warn_unplanned(module: nn.Module, chosen: list[Decision], plan: PrecisionPlan) -> None:
+    """No plan was applied to `module` or a model holding it, so its own was applied here:
+    the Linear layers it shards without a planned compute dtype are a sign that the plan is set
+    above it (on the model of which it is a block), where it cannot be seen from here."""
+    bare = [d.name for d in chosen if d.role in ("colwise", "rowwise")
+            and d.name in plan and plan[d.name].policy.compute is None]
+    if bare:
+        warn(f"parallelize_module: no precision plan is applied to this "
+             f"{type(module).__qualname__} or to a model holding it, so its own annotations "
+             f"were applied as its plan, and they plan no compute dtype for {listing(bare)}: "
+             "they get torch's styles in their parameters' dtype. Annotations and defaults on "
+             "the modules above it (precision(...)(model), apply(model, default=...)) are not "
+             "seen from here. To parallelize a part of a model (a transformer block), apply "
+             "the model's plan first (apply(model, ...)), or pass plan=resolve(model, ...).")
+
+
 _DECISIONS = "_precision_annot_tp_decisions"
 
 
@@ -167,9 +183,12 @@ def parallelize_module(
     if parallelize_plan is None:
         return torch_parallelize(module, device_mesh, None, src_data_rank=src_data_rank)
     root = unwrap(module)
+    unplanned = plan is None and applied_plan(root) is None and _owner_plan(root) is None
     precision, prefix = model_plan(root, plan, "parallelize_module")
     _warn_unmatched(root, match(root, parallelize_plan)[1])
     chosen = decisions(root, parallelize_plan, precision, prefix)
+    if unplanned:
+        _warn_unplanned(root, chosen, precision)
     _warn_notes(chosen)
     named = dict(root.named_modules())
     for decision in chosen:

@@ -176,6 +176,12 @@ def decide(name: str, module: nn.Module, style: ParallelStyle, plan: PrecisionPl
         return _prepare(name, module, style, plan, fp8_asked)
     if isinstance(style, (PlannedColwiseParallel, PlannedRowwiseParallel)):
         return Decision(name, style, style, kind, style.comm)  # the user's own choice
+    if name not in plan:
+        raise ValueError(
+            f"The TP plan names {name!r}, which the precision plan does not hold (a module "
+            "added after the plan was applied or resolved): apply the plan again "
+            "(apply(model)) or resolve it again, then parallelize. Modules in the plan: "
+            f"{listing(list(plan)[:8])}{', ...' if len(plan) > 8 else ''}.")
     entry = plan[name]
     gemm = entry.policy.gemm if isinstance(module, nn.Linear) else None
     if gemm is not None:

@@ -5,9 +5,11 @@ A row-parallel Linear hands back partial sums that an all-reduce adds up. Under 
 dtype (bf16), and they are added in bf16: the result depends on how many ranks split the sum.
 `PlannedRowwiseParallel` computes each partial GEMM output in `comm` (fp32: on a CPU from the
 bf16 operands upcast, whose products are exact in fp32; on CUDA as the GEMM's fp32 output),
-all-reduces it in `comm`, adds the bias and rounds once, to the dtype the module hands back.
-`PlannedColwiseParallel` does the same for the reduction a column-parallel Linear owes in
-backward: its input's gradient, a sum over the output features the ranks split.
+all-reduces it in `comm`, adds the bias (whose gradient, a partial sum where the output is
+sharded over rows, is reduced before it is rounded) and rounds once, to the dtype its GEMM
+hands back on one rank. `PlannedColwiseParallel` does the same for the reduction a
+column-parallel Linear owes in backward: its input's gradient, a sum over the output features
+the ranks split.
 """
 
 from __future__ import annotations
@@ -92,6 +94,16 @@ def wide_mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     return a.to(acc) @ b.to(acc)
 
 
+def _acc(compute: torch.dtype, comm: torch.dtype) -> torch.dtype:
+    """The dtype partial sums are computed in before their one rounding to `comm`: the wider of
+    the two; fp32 where they are fp16 and bf16 (neither holds the other: computed in one and
+    rounded to the other, a partial sum would be rounded twice, and overflow fp16's range
+    where bf16's holds it)."""
+    if {compute, comm} == {torch.float16, torch.bfloat16}:
+        return torch.float32
+    return cast(torch.dtype, widest((compute, comm)))
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -125,14 +137,49 @@ def _partial(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
                               shape=local.shape, stride=local.stride())
 
 
+class _Bias(torch.autograd.Function):
+    """A row-parallel Linear's bias as its GEMM adds it: rounded to the compute dtype, added in
+    `acc`. Its gradient is a sum over the output's rows: where the output is sharded over rows
+    (sequence parallel), each rank holds a partial sum, reduced here in `comm` before the one
+    rounding to the compute dtype that one rank's GEMM makes (rounding each partial sum first
+    would add TP-degree-dependent error); then handed back replicated, in the bias's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, b: torch.Tensor, compute: torch.dtype, acc: torch.dtype,
+                st: TPState) -> torch.Tensor:
+        ctx.dtype, ctx.compute, ctx.st = b.dtype, compute, st
+        return b.to(compute).to(acc)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        st: TPState = ctx.st
+        if isinstance(st.layout, Shard):
+            grad = _partial(grad.to(st.comm), st.mesh).redistribute(
+                st.mesh, (Replicate(),)).to_local()
+        return grad.to(ctx.compute).to(ctx.dtype), None, None, None
+
+
+def _add_bias(out: DTensor, bias: torch.Tensor, compute: torch.dtype, acc: torch.dtype,
+              st: TPState) -> torch.Tensor:
+    """`out + bias` in `acc`, the bias's gradient reduced before it is rounded (`_Bias`)."""
+    last = isinstance(st.layout, Shard) and st.layout.dim in (-1, out.dim() - 1)
+    if last or not isinstance(bias, DTensor):  # each bias element's gradient on one rank
+        return out.to(acc) + bias.to(compute).to(acc)
+    local = out.to_local().to(acc) + _Bias.apply(  # type: ignore[no-untyped-call]
+        bias.to_local(), compute, acc, st)
+    return DTensor.from_local(local, st.mesh, out.placements, run_check=False,
+                              shape=out.shape, stride=out.stride())
+
+
 def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.Tensor:
     """A row-parallel Linear: partial GEMM outputs in `comm`, reduced in `comm` into the
-    output layout, the bias added, one rounding to the output dtype."""
+    output layout, the bias added, one rounding to the dtype the GEMM hands back on one rank
+    (then cast to the module's `output`, as on one rank)."""
     x = input if isinstance(input, DTensor) else DTensor.from_local(
         input, st.mesh, (Shard(-1),), run_check=False)
     weight, bias = module.weight, module.bias
     compute = _gemm_dtype(x)
-    acc = cast(torch.dtype, widest((compute, st.comm)))
+    acc = _acc(compute, st.comm)
     device = x.device.type
     with torch.autocast(device, enabled=False):
         xl = x.to_local().to(compute)  # the rounding autocast would do
@@ -140,8 +187,10 @@ def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
         partial = _WideLinear.apply(xl, wl, acc).to(st.comm)  # type: ignore[no-untyped-call]
         out: torch.Tensor = _partial(partial, st.mesh).redistribute(st.mesh, (st.layout,))
         if bias is not None:
-            out = out + bias.to(compute).to(out.dtype)
-        return out.to(st.output or compute)
+            out = _add_bias(cast(DTensor, out), bias, compute, acc, st)
+        # one rank's GEMM rounds to its compute dtype whatever the module hands back: an
+        # output=fp32 is that rounded value cast, and its gradient reaches the GEMM rounded
+        return out.to(compute).to(st.output or compute)
 
 
 class _ColLinear(torch.autograd.Function):
@@ -172,7 +221,7 @@ class _ColLinear(torch.autograd.Function):
         g = _flat(grad)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            acc = cast(torch.dtype, widest((wc.dtype, st.comm)))
+            acc = _acc(wc.dtype, st.comm)
             partial = wide_mm(g.to(wc.dtype), wc, acc).reshape(xc.shape)
             reduced = _partial(partial.to(st.comm), st.mesh).redistribute(
                 st.mesh, (ctx.layout,)).to_local()
@@ -243,14 +292,15 @@ def install(module: nn.Module, st: TPState) -> None:
 
 class PlannedRowwiseParallel(RowwiseParallel):
     """Like `RowwiseParallel`, but the partial sums are computed and all-reduced (or
-    reduce-scattered, with `output_layouts=Shard(1)`) in `comm`, then rounded once to
-    `output` (None: the dtype the GEMM computes in). With `comm=torch.float32` over bf16
-    compute, the result no longer depends on the TP degree beyond that one rounding.
-    For `nn.Linear` layers.
+    reduce-scattered, with `output_layouts=Shard(1)`) in `comm`, then rounded once to the dtype
+    the GEMM computes in, as one rank's GEMM rounds, and cast to `output`. With
+    `comm=torch.float32` over bf16 compute, the result equals one rank's up to the order of
+    fp32 additions, whatever the TP degree. For `nn.Linear` layers.
 
     Args:
         comm: the dtype of the partial sums and of their reduction.
-        output: the dtype the reduced output is rounded to. (Default: None)
+        output: the dtype the rounded output is handed back in; None: the GEMM's.
+            (Default: None)
         input_layouts: as for `RowwiseParallel`. (Default: None)
         output_layouts: as for `RowwiseParallel`. (Default: None)
         use_local_output: as for `RowwiseParallel`. (Default: True)

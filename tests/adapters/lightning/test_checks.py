@@ -152,3 +152,13 @@ def test_config_must_be_the_trainers_keyword_arguments() -> None:
     with pytest.raises(TypeError, match="dict of the Trainer's keyword arguments"):
         check(resolve(Net()), "lightning", ["ddp"])
     assert check(resolve(Net(), default="bf16-mixed"), "lightning") == []  # nothing to read
+
+
+def test_a_precision_lightning_refuses_is_refused_by_check_too() -> None:
+    with pytest.raises(ValueError, match="Precision 7 is invalid"):
+        L.Trainer(precision=7, logger=False)  # type: ignore[arg-type]  # what Lightning says
+    with pytest.raises(ValueError, match=r"config 'precision' is one Lightning refuses: "
+                                         r"Precision 7 is invalid"):
+        check(Net(), "lightning", {"precision": 7})
+    assert all(f.code != "lightning-precision" for f in check(Net(), "lightning",
+                                                                {"precision": "bf16-mixed"}))

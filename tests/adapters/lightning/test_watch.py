@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from precision_annot import applied_plan, fp16, fp32
+from precision_annot._src.watching import report
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
@@ -87,3 +89,73 @@ def test_watch_callback_samples_training_batches_not_the_validation_between_epoc
     for record in w.history:
         assert set(record.grads) == set(record.outputs) == {"fc1", "norm", "fc2", ""}
         assert all(s.tensors == 1 for s in record.outputs.values())
+
+
+def test_a_fit_resumed_from_a_checkpoint_goes_on_counting_its_steps(tmp_path: Path) -> None:
+    """0.4 counted from 0 again after a resume: a run stopped after 5 batches and resumed to
+    10 wrote steps [0, 3, 0, 3] to its file (watch-report: 2 sampled steps for 4) and logged
+    them back in time; the batches sampled were 5 and 8, not 6 and 9."""
+    torch.manual_seed(0)
+    path = tmp_path / "watch.jsonl"
+
+    def fit(max_steps: int, ckpt: str | None = None) -> tuple[Any, WatchCallback]:
+        callback = WatchCallback(every=3, path=path)
+        trainer = L.Trainer(max_steps=max_steps, plugins=[AnnotatedPrecision(default="bf16-true")],
+                            callbacks=[callback], default_root_dir=tmp_path,
+                            **{k: v for k, v in QUIET.items() if k != "logger"},
+                            logger=CSVLogger(tmp_path, name="run", version=max_steps))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Net(), data(), ckpt_path=ckpt)
+        return trainer, callback
+
+    first, _ = fit(5)
+    _, resumed = fit(10, first.checkpoint_callback.best_model_path)
+    assert resumed.watch is not None and [r.step for r in resumed.watch.history] == [6, 9]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 3, 6, 9]
+    assert report(path).startswith("4 sampled steps")
+    rows = list(csv.DictReader((tmp_path / "run" / "version_10" / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows if r.get("precision/fc1/out_amax")] == [6, 9]
+
+
+@pytest.mark.slow  # 6 s (compiling); tests/test_watching.py shows watch on compiled models
+def test_a_compiled_lightning_module_runs_its_sampled_batches_eager() -> None:
+    """`trainer.fit(torch.compile(model))`: compiled code runs no module hook, and 0.4 raised
+    after the first batch with a fix a Lightning user cannot apply. The sampled batches run
+    Lightning's own uncompiled methods; the others stay compiled."""
+    torch.manual_seed(0)
+    model = Net()
+    callback = WatchCallback(every=2)
+    trainer = L.Trainer(max_steps=4, plugins=[AnnotatedPrecision(default="bf16-true")],
+                        callbacks=[callback], enable_checkpointing=False, **QUIET)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(torch.compile(model, backend="eager"), data())
+    w = callback.watch
+    assert w is not None and [r.step for r in w.history] == [0, 2]
+    for record in w.history:
+        assert set(record.grads) == set(record.outputs) == {"fc1", "norm", "fc2", ""}
+    ctx = model._compiler_ctx
+    assert ctx is not None and model.training_step is not ctx["original_training_step"]
+    assert model.forward is not ctx["original_forward"]  # compiled again after the batch
+
+
+class Crashing(Net):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("a bad batch")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_fit_that_raises_leaves_no_watch_hooks_on_the_model(tmp_path: Path) -> None:
+    """0.4 closed the watch at on_train_end only: after a fit that raised, the sampled step's
+    hooks stayed on the model and recorded every later forward (a notebook's next fit)."""
+    model = Crashing()
+    callback = WatchCallback(every=1, path=tmp_path / "watch.jsonl")
+    trainer = L.Trainer(max_steps=4, plugins=[AnnotatedPrecision(default="bf16-true")],
+                        callbacks=[callback], enable_checkpointing=False, **QUIET)
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="a bad batch"):
+        warnings.simplefilter("ignore")
+        trainer.fit(model, data())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert callback.watch is not None and callback.watch._file is None
