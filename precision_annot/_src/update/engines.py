@@ -29,8 +29,7 @@ from precision_annot._src.float8 import import_torchao
 from precision_annot._src.update import formats
 
 if TYPE_CHECKING:
-    from precision_annot._src.update.rule import UpdateRule
-    from precision_annot._src.update.step import Item
+    from precision_annot._src.update.rule import Item, UpdateRule
 
 __all__ = ["COMPILE", "FRESH", "FusedAdam", "FusedSGD", "fresh_state", "fused_step", "held_master",
            "lowbit_step", "master_of", "new_step"]

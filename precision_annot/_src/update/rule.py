@@ -29,7 +29,8 @@ from precision_annot._src.dtypes import (
 )
 from precision_annot._src.update.formats import low_bit_bytes
 
-__all__ = ["Engine", "UpdateFields", "UpdateRule", "fields_of", "module_rules", "update_rule"]
+__all__ = ["Engine", "Item", "UpdateFields", "UpdateRule", "fields_of", "module_rules",
+           "update_rule"]
 
 #: how a step runs for a parameter:
 #: "direct": the optimizer class's own step on the stored parameter;
@@ -270,3 +271,13 @@ class _Unknown:
 
 def low_bit_name(state: object) -> str | None:
     return state if isinstance(state, str) and state in LOW_BIT_STATES else None
+
+
+@dataclasses.dataclass
+class Item:
+    """One parameter of a step: where it sits in the groups, its name and rule."""
+
+    group: int
+    param: torch.Tensor
+    rule: UpdateRule
+    name: str

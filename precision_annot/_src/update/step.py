@@ -29,7 +29,7 @@ from precision_annot._src.dtypes import wider
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.update import engines, formats
 from precision_annot._src.update.guard import generation, planned
-from precision_annot._src.update.rule import UpdateFields, UpdateRule, rule_for
+from precision_annot._src.update.rule import Item, UpdateFields, UpdateRule, rule_for
 
 __all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "family", "items_of",
            "own_step", "refusal", "rule_of", "run_step", "settle", "widen_gradients",
@@ -45,16 +45,6 @@ _PER_PARAMETER = frozenset({"Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax"
                             "SparseAdam"})
 
 StepFn = Callable[[Optimizer, Any], Any]
-
-
-@dataclasses.dataclass
-class Item:
-    """One parameter of a step: where it sits in the groups, its name and rule."""
-
-    group: int
-    param: torch.Tensor
-    rule: UpdateRule
-    name: str
 
 
 def rule_of(optimizer: Any, param: torch.Tensor) -> tuple[UpdateRule, str]:
