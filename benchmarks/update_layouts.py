@@ -35,7 +35,6 @@ LAYOUTS: dict[str, tuple[str, bool] | tuple[str, bool, bool]] = {
     "bf16-mixed (fp32 weights, bf16 compute), torch's AdamW": ("bf16-mixed", True),
     "bf16 weights, no master, torch's AdamW": ("bf16-true", True),
     "bf16 weights, fp32 masters": ("bf16-true,master=fp32", False),
-    "the same, `fused=True`": ("bf16-true,master=fp32", False, True),
     "the same, fp32 gradients (`bf16-master`)": ("bf16-master", False),
     "bf16 weights, fp32 masters, bf16 state": ("bf16-true,master=fp32,optim=bf16", False),
     "bf16 weights, fp32 masters, 8-bit state": ("bf16-true,master=fp32,optim=8bit", False),
