@@ -32,7 +32,7 @@ def test_ddp_no_sync_and_fsdp2_accumulate_in_fp32_as_by_hand(tmp_path: Path) -> 
     refused at the first forward, naming the fix. FSDP2 (`adapters.fsdp.fully_shard`): the
     fp32 shards are the masters, and each micro-batch's gradient, reduce-scattered in bf16,
     accumulates into their fp32 gradients, as the hand loop does on a replica."""
-    found = ddp_cases(["no_sync", "misconfigured", "fsdp2"], tmp_path)
+    found = ddp_cases(["no_sync", "misconfigured", "fsdp2", "fsdp2_no_sync"], tmp_path)
     assert_equals_the_hand_loop(found["no_sync"])
     for r in found["misconfigured"]:
         assert r["error"] is not None and "reduces it in fp32 (comm=fp32" in r["error"]
@@ -40,6 +40,10 @@ def test_ddp_no_sync_and_fsdp2_accumulate_in_fp32_as_by_hand(tmp_path: Path) -> 
     for r in found["fsdp2"]:
         assert r["weights"] == 0.0 and r["masters"] == 0.0, r
         assert r["grads"] == ["DTensor torch.float32"], r
+    # with set_requires_gradient_sync(False), FSDP2 itself sums the unsynced micro-batches in
+    # its reduce dtype (the plan's bf16 comm), as docs/update.md says; the shards stay fp32
+    for r in found["fsdp2_no_sync"]:
+        assert r["sums"] == ["torch.bfloat16"] and r["grads"] == ["torch.float32"], r
 
 
 def test_fsdp2_refuses_grad_fp32_without_a_master_before_sharding() -> None:

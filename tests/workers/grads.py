@@ -260,6 +260,32 @@ def _fsdp2(case: str, rank: int) -> dict[str, Any]:
     return {"weights": weights, "masters": masters, "grads": sorted(kinds)}
 
 
+def _fsdp2_no_sync(case: str, rank: int) -> dict[str, Any]:
+    """FSDP2 with `set_requires_gradient_sync(False)` on the first two of three micro-batches:
+    the dtype FSDP2 keeps their unsharded sum in (its reduce dtype, the plan's comm), read off
+    each of its parameters before the synced micro-batch reduces it."""
+    from precision_annot.adapters import fsdp
+
+    model = fsdp.fully_shard(pa.apply(mlp(), default=SPEC))
+    model.set_requires_gradient_sync(False)
+    for m in range(2):
+        loss_of(model, batch(m, rank)).backward()
+    sums = set()
+    for state in [model, *[u for u in model.modules() if u is not model]]:
+        group = getattr(getattr(state, "_get_fsdp_state", lambda: None)(), "_fsdp_param_group",
+                        None)
+        for param in getattr(group, "fsdp_params", []):
+            held = param.unsharded_accumulated_grad
+            if held is None:
+                held = param._unsharded_param.grad
+            if held is not None:
+                sums.add(str(held.dtype))
+    model.set_requires_gradient_sync(True)
+    loss_of(model, batch(2, rank)).backward()
+    return {"sums": sorted(sums), "grads": sorted({str(p.grad.dtype) for p in model.parameters()
+                                                   if p.grad is not None})}
+
+
 def _misconfigured(case: str, rank: int) -> dict[str, Any]:
     """comm=fp32 over bf16 storage, no comm hook: DDP would reduce the rounding in bf16."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -297,7 +323,8 @@ def main() -> None:
     rank = dist.get_rank()
     for case in cases:
         run: Callable[[str, int], dict[str, Any]] = {
-            "misconfigured": _misconfigured, "fsdp2": _fsdp2}.get(case, _ddp_loop)
+            "misconfigured": _misconfigured, "fsdp2": _fsdp2,
+            "fsdp2_no_sync": _fsdp2_no_sync}.get(case, _ddp_loop)
         (outdir / f"{case}-rank{rank}.json").write_text(json.dumps(run(case, rank)))
     leave()
 
