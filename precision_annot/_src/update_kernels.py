@@ -147,6 +147,7 @@ class _Layout:
         for shape in shapes:
             self._place(shape)
         self._close()
+        self.cut = [k for k, split in enumerate(self.splits) if split]  # parameters split
 
     def _place(self, shape: torch.Size) -> None:
         numel = shape.numel()
@@ -244,7 +245,7 @@ class _Loop:
         self.narrow = {name: name not in ("stored", "steps", "grads") and any(
             t.dtype != dtype for t in tensors) for name, tensors in self.roles.items()}
         self.layout: _Layout | None = None
-        self.pieces: dict[str, list[Tensor]] = {}
+        self.pieces: dict[str, tuple[list[int], list[Tensor]]] = {}
 
     def grads_of(self, grads: Sequence[Tensor], params: Sequence[Tensor]) -> list[Tensor]:
         """This loop's gradients, local shards where DTensors, checked as `_prepare` checks
@@ -284,10 +285,13 @@ class _Loop:
             return []
         if name == "grads":
             return layout.pieces(tensors)
+        # a split tensor's pieces are views of its storage: one given new storage since
+        # (`p.data = ...`, `model.float().bfloat16()`) is cut again
+        where = [] if name == "steps" else [tensors[k].data_ptr() for k in layout.cut]
         held = self.pieces.get(name)
-        if held is None:
-            held = self.pieces[name] = layout.pieces(tensors, name == "steps")
-        return held
+        if held is None or held[0] != where:
+            held = self.pieces[name] = (where, layout.pieces(tensors, name == "steps"))
+        return held[1]
 
 
 def _chunks(layout: _Layout, pieces: list[list[Tensor]], scratch: dict[int, list[list[Tensor]]],

@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.update.rule import UpdateFields, fields_of, rule_for
 
-__all__ = ["Planned", "StepGuard", "forget", "note", "planned", "planned_updates"]
+__all__ = ["Planned", "StepGuard", "follow", "forget", "note", "planned", "planned_updates"]
 
 
 class Planned(NamedTuple):
@@ -65,6 +65,7 @@ class StepGuard:
         for param, said in planned:
             self.planned[param] = said
         self.generation += 1
+        _tell([p for p, _, _ in changed] + [p for p, _ in planned])
         if self.handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -115,6 +116,23 @@ class StepGuard:
 
 
 _GUARD = StepGuard()
+#: the optimizers `precision_annot.optimizer` built (weakly held), told when `apply` or
+#: `remove` changes what is said about one of their parameters
+_FOLLOWED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def follow(optimizer: Any) -> None:
+    """`optimizer` (a planned one) settles its state into what `apply` or `remove` say about
+    its parameters as soon as they say it (its `_precision_annot_settle`): a master no longer
+    planned is in its weight at once, not at the next step (which may never come)."""
+    _FOLLOWED.add(optimizer)
+
+
+def _tell(params: list[torch.Tensor]) -> None:
+    ids = {id(p) for p in params}
+    for optimizer in list(_FOLLOWED):
+        if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+            optimizer._precision_annot_settle()
 
 
 def note(changed: Iterable[tuple[torch.Tensor, torch.dtype, str]],
@@ -126,10 +144,12 @@ def note(changed: Iterable[tuple[torch.Tensor, torch.dtype, str]],
 
 def forget(params: Iterable[torch.Tensor]) -> None:
     """`remove` took the plan off: nothing is said about these parameters any more."""
+    params = list(params)
     for p in params:
         _GUARD.planned.pop(p, None)  # type: ignore[no-untyped-call]
         _GUARD.changed.pop(p, None)  # type: ignore[no-untyped-call]
     _GUARD.generation += 1
+    _tell(params)
 
 
 def planned(param: torch.Tensor) -> Planned | None:

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.guards import require_module
-from precision_annot._src.update import engines, formats
+from precision_annot._src.update import engines, formats, guard
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, fields_of
 from precision_annot._src.update.step import (
     family,
@@ -31,6 +31,7 @@ from precision_annot._src.update.step import (
     refusal,
     rule_of,
     run_step,
+    settle,
     write_back,
 )
 
@@ -77,6 +78,16 @@ class PlanOptimizer(Optimizer):
             else:
                 p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
                 p.grad.zero_()
+
+    def _precision_annot_settle(self) -> None:
+        """`apply` or `remove` changed what is said about some of the parameters: each state
+        settled into it now (see `step.settle`), not at the next step."""
+        try:
+            items = items_of(self)
+        except ValueError:
+            return  # an update no rule makes: the step says so
+        settle(self, items)
+        self._precision_annot_layout = True
 
     def master(self, param: torch.Tensor) -> torch.Tensor | None:
         """The master copy the step updates for `param`, or None when it updates `param`
@@ -178,6 +189,7 @@ class PlanOptimizer(Optimizer):
                 k: ({n: formats.rebuilt(v) for n, v in s.items()} if isinstance(s, dict) else s)
                 for k, s in state["state"].items()})}
         super().__setstate__(state)
+        guard.follow(self)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # a class made at run time: pickled as its base class and its state
@@ -443,6 +455,7 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     opt._precision_annot_fields = fields
     opt._precision_annot_names = names
     opt._precision_annot_compile = None if compile_step is None else bool(compile_step)
+    guard.follow(opt)
     low = [i for i in items_of(opt) if i.rule.engine == "torchao"]
     why = refusal(opt, low)
     if why is not None:

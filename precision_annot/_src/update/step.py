@@ -483,8 +483,10 @@ def settle(optimizer: Any, items: Sequence[Item]) -> None:
         master = state.get("master")
         if isinstance(master, torch.Tensor) and rule.master is None:
             write_back(p, state.pop("master"), rule)
-        elif isinstance(master, torch.Tensor) and master.dtype != rule.master:
-            state["master"] = master.to(rule.master)
+        elif isinstance(master, torch.Tensor):
+            if master.dtype != rule.master:
+                state["master"] = master = master.to(rule.master)
+            write_back(p, master, rule)  # (`apply` cast the weight from its old dtype)
         if rule.low_bit:
             continue
         for key, value in state.items():
