@@ -57,6 +57,9 @@ class AppliedState:
     tracing: bool = False
     # the parameters whose gradients accumulate wider than they are stored (grad=fp32)
     wide: grads.WideGrads | None = None
+    # the tensors a `load_state_dict` under way hands each parameter (its pre hook to its post
+    # hook): a master copy starts from them where they are as wide
+    loading: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
@@ -76,12 +79,15 @@ class AppliedState:
                     *args: Any) -> None:
         """`load_state_dict` pre hook: name the tensors the checkpoint holds narrower than the
         plan keeps them (their precision is gone before the load)."""
-        planned = {f"{prefix}{name}.{tname}" if name else f"{prefix}{tname}": target.dtype
-                   for (name, _, tname), target in self.execution.targets.items()
-                   if target.persistent}
+        keys = {key: f"{prefix}{key[0]}.{key[2]}" if key[0] else f"{prefix}{key[2]}"
+                for key, target in self.execution.targets.items() if target.persistent}
+        planned = {keys[key]: self.execution.targets[key].dtype for key in keys}
         warn_narrowed("load_state_dict", narrowed(planned, (
             (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor))),
             stacklevel=3)
+        self.loading = {key: value for key, name in keys.items()
+                        if key[1] == "param" and isinstance(value := state_dict.get(name),
+                                                            torch.Tensor)}
 
     def after_load(self, model: nn.Module, incompatible: Any) -> None:
         """`load_state_dict` post hook: `assign=True` puts the checkpoint's own tensors in the
@@ -89,6 +95,7 @@ class AppliedState:
         parameter object, its data cast), new parameters accumulate their gradients in the
         plan's dtype, and the step guard learns the new parameters."""
         named = dict(model.named_modules())
+        self.reload_masters(named)
         moved = False
         cast: dict[tuple[Any, ...], torch.Tensor] = {}  # one cast per tensor the load gave
         for (name, kind, tname), target in self.execution.targets.items():
@@ -107,6 +114,21 @@ class AppliedState:
             self.wide.bind(model)
         if moved:
             guard.note([], guard.planned_updates(self.plan, named))
+
+
+    def reload_masters(self, named: Mapping[str, nn.Module]) -> None:
+        """The planned optimizers' masters of the parameters the load gave new values start
+        from those values (the checkpoint's own where as wide as the master), so that the
+        next step does not write the old masters back over the loaded weights."""
+        loading, self.loading = self.loading, {}
+        given: dict[torch.Tensor, torch.Tensor] = {}
+        for (name, kind, tname), value in loading.items():
+            module = named.get(name)
+            param = None if module is None else get_tensor(module, kind, tname)
+            if isinstance(param, torch.Tensor):
+                given[param] = value
+        if given:
+            guard.loaded(given)
 
 
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -526,9 +548,11 @@ def _warn_rounded_again(originals: dict[Key, torch.dtype],
                         prepared: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
     """A tensor stored narrower than it was before the first apply (by an earlier plan, or a
     `model.half()` since), cast to another dtype now, is cast from its narrowed values: the new
-    dtype does not bring back the bits dropped before."""
+    dtype does not bring back the bits dropped before. A parameter whose optimizer keeps a
+    master is left out: the master is written into it."""
     rounded = [(key, tensor.dtype, value.dtype) for key, tensor, value in prepared
-               if key in originals and wider(originals[key], tensor.dtype)]
+               if key in originals and wider(originals[key], tensor.dtype)
+               and not guard.mastered(tensor)]
     if not rounded:
         return
     (name, _, tname), now, target = rounded[0]

@@ -93,12 +93,15 @@ def test_the_masters_are_in_the_weights_as_soon_as_a_plan_drops_or_recasts_them(
     opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-2)
     train(model, opt, range(2))
     masters = [m.clone() for m in masters_of(opt, model)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (apply: cast from the current bf16 values)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         if how == "remove":
             pa.remove(model)
         else:
             pa.apply(model, default="fp32" if how == "apply fp32" else "16-true,master=fp32")
+    # apply's "cast from their current values, they keep the rounding of bf16" is not said of
+    # weights whose masters are written into them
+    assert not [w for w in said if "keep the rounding" in str(w.message)]
     for p, m in zip(model.parameters(), masters, strict=True):
         assert torch.equal(p, m.to(p.dtype))
     if how == "apply fp16 masters":
@@ -250,6 +253,52 @@ def test_the_master_is_the_truth_on_load() -> None:
 
 
 # -- stochastic rounding with any class -----------------------------------------------------------
+
+def test_loading_the_model_between_steps_restarts_its_masters_from_what_was_loaded() -> None:
+    """Reload earlier weights into the model alone, mid-training: the next step starts from
+    them (it used to write the old masters back over them: 0.040 off after one step). An fp32
+    checkpoint gives the masters its own values; the weights loaded back unchanged keep the
+    masters' bits below bf16."""
+    model = pa.apply(mlp(), default="bf16-true,master=fp32")
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    fp32_start = {k: v.clone() for k, v in mlp().state_dict().items()}  # the fp32 values
+    train(model, opt, range(3))
+    # by hand: the same optimizer state, masters set from the checkpoint, one step
+    hand_model = copy.deepcopy(model)
+    hand = torch.optim.AdamW([p.detach().float().clone() for p in model.parameters()], lr=1e-2,
+                             fused=True)
+    saved = copy.deepcopy(opt.state_dict())  # (torch's state_dict holds the live tensors)
+    hand.load_state_dict({**saved, "param_groups": [{**saved["param_groups"][0], "fused": True}],
+                          "state": {k: {n: v for n, v in s.items() if n != "master"}
+                                    for k, s in saved["state"].items()}})
+    for master, key in zip(hand.param_groups[0]["params"], fp32_start, strict=True):
+        master.data.copy_(fp32_start[key])
+    model.load_state_dict(fp32_start)
+    hand_model.load_state_dict(fp32_start)
+    assert all(torch.equal(opt.master(p), fp32_start[k])
+               for k, p in zip(fp32_start, model.parameters(), strict=True))
+    train(model, opt, range(3, 4))
+    x, y = batch(3)
+    hand_model.zero_grad()
+    nn.functional.mse_loss(hand_model(x.to(bf16)).float(), y).backward()
+    for master, p in zip(hand.param_groups[0]["params"], hand_model.parameters(), strict=True):
+        master.grad = p.grad.float()
+    hand.step()
+    for p, master in zip(model.parameters(), hand.param_groups[0]["params"], strict=True):
+        assert torch.equal(opt.master(p), master), (opt.master(p) - master).abs().max()
+        assert torch.equal(p, master.to(bf16))
+    # its own weights loaded back: the masters keep what bf16 cannot hold
+    kept = [opt.master(p).clone() for p in model.parameters()]
+    assert any(not torch.equal(m, m.to(bf16).float()) for m in kept)
+    model.load_state_dict(model.state_dict())
+    assert all(torch.equal(opt.master(p), m) for p, m in zip(model.parameters(), kept,
+                                                            strict=True))
+    # bf16 weights from elsewhere: the masters start from them
+    other = pa.apply(mlp(seed=1), default="bf16-true").state_dict()
+    model.load_state_dict(other)
+    assert all(torch.equal(opt.master(p), other[k].float())
+               for k, p in zip(other, model.parameters(), strict=True))
+
 
 def _lion() -> type[torch.optim.Optimizer]:
     bnb = pytest.importorskip("bitsandbytes")

@@ -22,7 +22,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.update.rule import UpdateFields, fields_of, rule_for
 
-__all__ = ["Planned", "StepGuard", "follow", "forget", "note", "planned", "planned_updates"]
+__all__ = ["Planned", "StepGuard", "follow", "forget", "loaded", "mastered", "note", "planned",
+           "planned_updates"]
 
 
 class Planned(NamedTuple):
@@ -133,6 +134,26 @@ def _tell(params: list[torch.Tensor]) -> None:
     for optimizer in list(_FOLLOWED):
         if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
             optimizer._precision_annot_settle()
+
+
+def mastered(param: torch.Tensor) -> bool:
+    """Whether an optimizer `precision_annot.optimizer` built keeps a master of `param` (which
+    `apply` writes into it, rounded, once the new plan is applied)."""
+    for optimizer in list(_FOLLOWED):
+        state = optimizer.state.get(param)
+        if state and isinstance(state.get("master"), torch.Tensor):
+            return True
+    return False
+
+
+def loaded(given: dict[torch.Tensor, torch.Tensor]) -> None:
+    """`load_state_dict` gave these parameters new values (the checkpoint's tensor for each):
+    every optimizer holding a master for one starts it from them (its
+    `_precision_annot_loaded`)."""
+    ids = {id(p) for p in given}
+    for optimizer in list(_FOLLOWED):
+        if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+            optimizer._precision_annot_loaded(given)
 
 
 def note(changed: Iterable[tuple[torch.Tensor, torch.dtype, str]],

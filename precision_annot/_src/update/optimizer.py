@@ -89,6 +89,18 @@ class PlanOptimizer(Optimizer):
         settle(self, items)
         self._precision_annot_layout = True
 
+    def _precision_annot_loaded(self, given: dict[torch.Tensor, torch.Tensor]) -> None:
+        """`load_state_dict` put new values into some of the parameters (`given`: the
+        checkpoint's tensor for each): a master whose weight no longer holds its rounding
+        starts from the loaded value, the checkpoint's own where it is as wide as the master,
+        else the weight; a weight loaded back unchanged keeps its master's extra bits."""
+        with torch.no_grad():
+            for param, value in given.items():
+                state = self.state.get(param)
+                master = state.get("master") if state else None
+                if isinstance(master, torch.Tensor):
+                    _reload_master(master, param, value)
+
     def master(self, param: torch.Tensor) -> torch.Tensor | None:
         """The master copy the step updates for `param`, or None when it updates `param`
         itself (or has not stepped it yet)."""
@@ -201,6 +213,16 @@ class PlanOptimizer(Optimizer):
             layouts[item.rule.describe()] = layouts.get(item.rule.describe(), 0) + 1
         plan = "; ".join(f"{n} parameter(s) {k}" for k, n in layouts.items())
         return f"{super().__repr__()}\nupdated by precision_annot: {plan or 'nothing'}"
+
+
+def _reload_master(master: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> None:
+    if value.shape == master.shape and not wider(master.dtype, value.dtype) and (
+            value.is_floating_point()):
+        source = value.detach().to(device=master.device, dtype=master.dtype)
+        if not torch.equal(source, master):
+            master.copy_(source)
+    elif not torch.equal(master.to(param.dtype), param.detach()):
+        master.copy_(param.detach())
 
 
 class _State(defaultdict):  # type: ignore[type-arg]
