@@ -291,7 +291,8 @@ def test_param_groups_lr(case: Case) -> None:
     for i in range(20):
         opt.zero_grad()
         loss_of(model).backward()
-        model.irrelevant.grad = torch.rand_like(model.irrelevant)
+        model.irrelevant.grad = torch.rand_like(model.irrelevant,
+                                                dtype=model.irrelevant.grad_dtype)
         with torch.random.fork_rng():
             torch.manual_seed(i)
             opt.step()
