@@ -111,10 +111,16 @@ class HandLoop:
 
 def worst(model: nn.Module, hand: HandLoop, opt: Any) -> dict[str, float]:
     """The largest difference between the planned run and the hand loop: stored weights and
-    masters."""
+    masters (a parameter no step has reached yet has no master: its weight, widened, is what
+    its first step starts from)."""
     weights = max(float((p.detach().float() - q.detach().float()).abs().max())
                   for p, q in zip(model.parameters(), hand.params, strict=True))
-    masters = max(float((opt.master(p) - m).abs().max())
+
+    def master(p: torch.Tensor) -> torch.Tensor:
+        held = opt.master(p)
+        return held if held is not None else p.detach().float()
+
+    masters = max(float((master(p) - m).abs().max())
                   for p, m in zip(model.parameters(), hand.masters, strict=True))
     return {"weights": weights, "masters": masters}
 
