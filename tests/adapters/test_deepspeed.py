@@ -262,6 +262,43 @@ def test_a_deepspeed_config_s_optimizer_section_is_deepspeed_s(tmp_path: Path) -
     assert not [f for f in found if f.severity == "error"]
 
 
+def test_a_misspelt_top_level_key_is_named_as_deepspeed_ignores_it() -> None:
+    """DeepSpeed reads no `zero_optimisation` and says nothing: the run is ZeRO stage 0. `check`
+    names the key and the one DeepSpeed reads; correctly spelt configs (and keys far from any
+    DeepSpeed knows) get no such finding."""
+    from precision_annot.adapters.deepspeed.checks import known_keys
+
+    typo = {"train_micro_batch_size_per_gpu": 2, "zero_optimisation": {"stage": 2}}
+    assert DeepSpeedConfig(typo).zero_optimization_stage == 0  # ignored, silently
+    assert DeepSpeedConfig(BASE).zero_optimization_stage == 2
+    plan = resolve(nn.Linear(4, 4), default="bf16")
+    found = [f for f in check(plan, "deepspeed", typo) if f.code == "deepspeed-unknown-key"]
+    assert len(found) == 1 and found[0].severity == "warning"
+    assert "'zero_optimisation'" in found[0].message and "'zero_optimization'" in found[0].message
+    for config in (BASE, {**BASE, "my_run_name": "x", "gradient_clipping": 1.0,
+                          "activation_checkpointing": {}, "flops_profiler": {}}):
+        assert not [f for f in check(plan, "deepspeed", config)
+                    if f.code == "deepspeed-unknown-key"]
+    # every top-level key the installed DeepSpeed's config reads is known
+    read: set[str] = set()
+
+    class Recording(dict[str, Any]):
+        def get(self, key: Any, *default: Any) -> Any:
+            read.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key: Any) -> Any:
+            read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key: object) -> bool:
+            read.add(str(key))
+            return super().__contains__(key)
+
+    DeepSpeedConfig(Recording({"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1}))
+    assert len(read) > 40 and read <= known_keys(), sorted(read - known_keys())
+
+
 def test_check_evaluates_the_config_as_deepspeed_gets_it() -> None:
     """Measured on 2 ranks (tests/adapters/test_check_matrix.py): a base without the plan's
     sections runs DeepSpeed's defaults."""

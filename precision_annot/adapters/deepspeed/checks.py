@@ -9,6 +9,9 @@ one dtype; without torch_autocast ZeRO 1-3 do too; with it, each parameter reduc
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib
+import re
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -42,7 +45,7 @@ from precision_annot.adapters.deepspeed.export import (
 )
 
 __all__ = ["CHECKS", "DEFAULT_SAFE_MODULES", "DeepSpeedChecks", "findings", "given_config",
-           "read_config", "reduced", "refused", "unresolved_auto"]
+           "known_keys", "read_config", "reduced", "refused", "unresolved_auto"]
 
 
 #: the classes DeepSpeed's torch_autocast tags with the autocast dtype when its config lists none
@@ -142,6 +145,7 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
     out += drift(plan, "comm", actual, code="deepspeed-zero0-comm" if stage == 0 else
                  "deepspeed-comm", backend="DeepSpeed", cause=cause, fix=fix)
     out += _advice(dsp, config, stage)
+    out += _misspelt(config)
     return out
 
 
@@ -427,6 +431,66 @@ def _advice(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[
             "not rescued by raising it, so small updates vanish.",
             "Set fp16.loss_scale to 0 (dynamic), or leave it out.",
         )
+
+
+#: top-level keys `DeepSpeedConfig` reads that none of DeepSpeed's constants modules name
+#: (DeepSpeed 0.19; tests/adapters/test_deepspeed.py records what the installed one reads)
+_READ_KEYS = frozenset({
+    "amp", "comet", "compile", "compression_training", "csv_monitor", "datastates_ckpt",
+    "eigenvalue", "elasticity", "graph_harvesting", "hybrid_engine", "nebula", "pipeline",
+    "progressive_layer_drop", "quantize_training", "sparse_attention", "sparse_gradients",
+    "tensor_parallel", "tensorboard", "timers", "wandb", "weight_quantization",
+    "zero_optimization"})
+#: DeepSpeed's modules whose UPPER_CASE string constants name its config keys
+_CONSTANTS = ("deepspeed.runtime.constants", "deepspeed.runtime.config",
+              "deepspeed.runtime.activation_checkpointing.config",
+              "deepspeed.profiling.constants", "deepspeed.autotuning.constants",
+              "deepspeed.runtime.data_pipeline.constants",
+              "deepspeed.runtime.swap_tensor.constants", "deepspeed.comm.constants",
+              "deepspeed.checkpoint.constants")
+
+
+def known_keys() -> frozenset[str]:
+    """The config keys DeepSpeed knows: `_READ_KEYS` and every key its constants modules
+    name (a module this DeepSpeed lacks is skipped)."""
+    known = set(_READ_KEYS)
+    for name in _CONSTANTS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        known.update(v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)
+                     and re.fullmatch(r"[a-z][a-z0-9_]*", v))
+    return frozenset(known)
+
+
+def _misspelt(config: Mapping[str, Any]) -> list[Finding]:
+    """Top-level keys DeepSpeed does not know that are close to one it does: DeepSpeed reads
+    no such key and says nothing, so a misspelt section (`zero_optimisation`) has no effect."""
+    unknown = [k for k in config if isinstance(k, str) and k not in _ALWAYS]
+    if not unknown:
+        return []
+    known = known_keys()
+    out = []
+    for key in unknown:
+        if key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if close:
+            out.append(Finding(
+                "warning", "deepspeed-unknown-key", "",
+                f"The config's top-level key {key!r} is not one DeepSpeed reads (it reads "
+                f"{close[0]!r}): DeepSpeed ignores it without a word, so that setting has no "
+                "effect.", f"Spell it {close[0]!r}."))
+    return out
+
+
+#: keys every config has, looked up without importing DeepSpeed's constants
+_ALWAYS = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu",
+                     "gradient_accumulation_steps", "optimizer", "scheduler", "fp16", "bf16",
+                     "zero_optimization", "torch_autocast", "gradient_clipping",
+                     "communication_data_type", "data_types", "steps_per_print",
+                     "wall_clock_breakdown", "zero_allow_untested_optimizer"})
 
 
 class DeepSpeedChecks(CheckBackend):
