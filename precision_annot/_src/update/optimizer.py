@@ -216,8 +216,14 @@ class PlanOptimizer(Optimizer):
 
 
 def _reload_master(master: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> None:
-    if value.shape == master.shape and not wider(master.dtype, value.dtype) and (
-            value.is_floating_point()):
+    """The master starts from the checkpoint's own value (a narrower float one, an fp16
+    checkpoint into bf16 weights, widens exactly: it keeps the bits bf16 drops), unless that
+    value is the master rounded (the weights loaded back unchanged keep the master's bits);
+    else (another shape, not a float) from the loaded weight."""
+    if value.shape == master.shape and value.is_floating_point():
+        if wider(master.dtype, value.dtype) and torch.equal(
+                master.to(device=value.device, dtype=value.dtype), value.detach()):
+            return
         source = value.detach().to(device=master.device, dtype=master.dtype)
         if not torch.equal(source, master):
             master.copy_(source)
