@@ -60,6 +60,9 @@ class AppliedState:
     # the tensors a `load_state_dict` under way hands each parameter (its pre hook to its post
     # hook): a master copy starts from them where they are as wide
     loading: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # the submodule a `load_state_dict` under way was called on, with what it hands each
+    # parameter below it (a load of the whole model goes through `loading`)
+    loading_below: tuple[nn.Module, dict[torch.Tensor, torch.Tensor]] | None = None
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
@@ -85,15 +88,40 @@ class AppliedState:
         warn_narrowed("load_state_dict", narrowed(planned, (
             (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor))),
             stacklevel=3)
+        self.loading_below = (model, {})  # (the submodules' hooks leave this load alone)
         self.loading = {key: value for key, name in keys.items()
                         if key[1] == "param" and isinstance(value := state_dict.get(name),
                                                             torch.Tensor)}
+
+    def before_submodule_load(self, module: nn.Module, state_dict: Mapping[str, Any],
+                              prefix: str, *args: Any) -> None:
+        """`load_state_dict` pre hook of each submodule: a load called on the submodule itself
+        (not reached through the model's, whose hooks see to it; a load's own module is
+        given an empty prefix, or, through a wrapper, comes first) notes what it hands each
+        parameter below it, so that the masters restart from it."""
+        if prefix and self.loading_below is not None:
+            return
+        given: dict[torch.Tensor, torch.Tensor] = {
+            p: value for name, p in module.named_parameters()
+            if isinstance(value := state_dict.get(f"{prefix}{name}"), torch.Tensor)}
+        self.loading_below = (module, given)
+
+    def after_submodule_load(self, module: nn.Module, incompatible: Any) -> None:
+        """`load_state_dict` post hook of each submodule: the load called on it restarts the
+        masters of the parameters it changed (as a load of the whole model does)."""
+        held = self.loading_below
+        if held is None or held[0] is not module:
+            return
+        self.loading_below = None
+        if held[1]:
+            guard.loaded(held[1])
 
     def after_load(self, model: nn.Module, incompatible: Any) -> None:
         """`load_state_dict` post hook: `assign=True` puts the checkpoint's own tensors in the
         model, in the checkpoint's dtypes; each goes back to its planned dtype (the same
         parameter object, its data cast), new parameters accumulate their gradients in the
         plan's dtype, and the step guard learns the new parameters."""
+        self.loading_below = None
         named = dict(model.named_modules())
         self.reload_masters(named)
         moved = False
@@ -708,6 +736,10 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
     _widen(root, state, wide, widened)
     root.register_load_state_dict_pre_hook(state.before_load)  # type: ignore[no-untyped-call]
     root.register_load_state_dict_post_hook(state.after_load)  # type: ignore[no-untyped-call]
+    for module in named.values():
+        if module is not root:
+            module.register_load_state_dict_pre_hook(state.before_submodule_load)
+            module.register_load_state_dict_post_hook(state.after_submodule_load)
     object.__setattr__(root, _STATE_ATTR, state)
 
 

@@ -320,6 +320,25 @@ def test_an_fp16_checkpoint_loaded_into_bf16_weights_gives_the_masters_its_own_v
                for p, m in zip(model.parameters(), kept, strict=True))
 
 
+def test_loading_a_submodule_between_steps_restarts_the_masters_below_it() -> None:
+    """`model[0].load_state_dict(...)` (a pretrained block, a reset head) mid-run: its masters
+    start from the checkpoint, as a load of the whole model does (they were left as they
+    were: the next step wrote them back, the weights 0.27 off the loaded ones, where one step
+    moves them 0.010); the other masters stay as they were."""
+    model = pa.apply(mlp(), default="bf16-true,master=fp32")
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    train(model, opt, range(2))
+    head = [opt.master(p).clone() for p in model[2].parameters()]
+    fp32_block = {k: v.float() for k, v in mlp(seed=1)[0].state_dict().items()}
+    model[0].load_state_dict(fp32_block)
+    assert all(torch.equal(opt.master(p), fp32_block[k])
+               for k, p in model[0].named_parameters())
+    assert all(torch.equal(opt.master(p), m)
+               for p, m in zip(model[2].parameters(), head, strict=True))
+    train(model, opt, range(2, 3))
+    assert (model[0].weight.float() - fp32_block["weight"]).abs().max() < 0.02  # one step
+
+
 def _lion() -> type[torch.optim.Optimizer]:
     bnb = pytest.importorskip("bitsandbytes")
     return bnb.optim.Lion  # type: ignore[no-any-return]
