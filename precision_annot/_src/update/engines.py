@@ -26,7 +26,7 @@ import torch
 
 from precision_annot._src import update_kernels
 from precision_annot._src.float8 import import_torchao
-from precision_annot._src.update import formats
+from precision_annot._src.update import formats, guard
 
 if TYPE_CHECKING:
     from precision_annot._src.update.rule import Item, UpdateRule
@@ -39,15 +39,18 @@ __all__ = ["COMPILE", "FRESH", "FusedAdam", "FusedSGD", "fresh_state", "fused_st
 COMPILE = True
 
 
-def master_of(param: torch.Tensor, rule: UpdateRule, state: dict[str, Any]
-              ) -> tuple[torch.Tensor, bool]:
-    """The master copy of `param` from its state (taken out of it), made from the parameter
-    where there is none, cast where it is in another dtype; and whether it was made now."""
+def master_of(param: torch.Tensor, rule: UpdateRule, state: dict[str, Any],
+              optimizer: Any = None) -> tuple[torch.Tensor, bool]:
+    """The master copy of `param` from its state (taken out of it), where there is none the
+    one another planned optimizer steps (`guard.shared_master`) or one made from the
+    parameter, cast where it is in another dtype; and whether it was made now."""
     dtype = rule.master
     assert dtype is not None
     master = state.pop("master", None)
     if isinstance(master, torch.Tensor) and master.dtype == dtype:
         return master, False
+    if master is None and (shared := guard.shared_master(optimizer, param, dtype)) is not None:
+        return shared, False
     source = master if isinstance(master, torch.Tensor) else param
     return source.detach().to(dtype, copy=True), master is None
 
@@ -59,7 +62,7 @@ def held_master(optimizer: Any, param: torch.Tensor, rule: UpdateRule) -> torch.
     master = state.get("master")
     if isinstance(master, torch.Tensor) and master.dtype == rule.master:
         return master
-    master, _ = master_of(param, rule, state)
+    master, _ = master_of(param, rule, state, optimizer)
     optimizer.state[param] = {"master": master, **state}
     return master
 

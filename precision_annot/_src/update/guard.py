@@ -23,7 +23,7 @@ from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.update.rule import UpdateFields, fields_of, rule_for
 
 __all__ = ["Planned", "StepGuard", "follow", "forget", "loaded", "mastered", "note", "planned",
-           "planned_updates"]
+           "planned_updates", "shared_master"]
 
 
 class Planned(NamedTuple):
@@ -144,6 +144,22 @@ def mastered(param: torch.Tensor) -> bool:
         if state and isinstance(state.get("master"), torch.Tensor):
             return True
     return False
+
+
+def shared_master(optimizer: Any, param: torch.Tensor, dtype: torch.dtype,
+                  equal_to: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The master of `param` another planned optimizer holds (in `dtype`; equal to `equal_to`
+    where given), or None: two optimizers stepping one parameter update one master, as two
+    torch optimizers update one fp32 parameter (each its own master would write back over the
+    other's updates)."""
+    for other in list(_FOLLOWED):
+        state = other.state.get(param) if other is not optimizer else None
+        master = state.get("master") if state else None
+        if isinstance(master, torch.Tensor) and master.dtype == dtype and (
+                master.shape == param.shape) and (
+                equal_to is None or master is equal_to or torch.equal(master, equal_to)):
+            return master
+    return None
 
 
 def loaded(given: dict[torch.Tensor, torch.Tensor]) -> None:

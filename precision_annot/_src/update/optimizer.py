@@ -303,6 +303,10 @@ def _rebuild_state(opt: PlanOptimizer, given: dict[str, Any]) -> None:
         rule, name = rule_of(opt, param)
         state[param] = _loaded(param, rule, value, dict(opt.state.get(param, {})),
                                name or f"#{key}", narrowed)
+        master = state[param].get("master")
+        if isinstance(master, torch.Tensor) and (shared := guard.shared_master(
+                opt, param, master.dtype, equal_to=master)) is not None:
+            state[param]["master"] = shared  # (both loaded from one checkpoint: one again)
     opt.__setstate__({"state": state, "param_groups": opt.param_groups})
     opt.__dict__.pop("_precision_annot_layout", None)
     opt.__dict__.pop("_precision_annot_cache", None)  # (it holds the states loaded over)

@@ -123,7 +123,7 @@ def _present(optimizer: Any, item: Item) -> _Presented:
     state = dict(optimizer.state.pop(p, None) or {})
     created = False
     if rule.engine == "master":
-        stand, created = engines.master_of(p, rule, state)
+        stand, created = engines.master_of(p, rule, state, optimizer)
     elif rule.engine == "copy":
         stand = p.detach().to(rule.working, copy=True)
     else:
