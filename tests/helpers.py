@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from precision_annot import fp32, precision
 
@@ -178,3 +179,22 @@ def accumulate_as_planned(model: nn.Module) -> nn.Module:
             if rule.grad != p.dtype:
                 p.grad_dtype = rule.grad
     return model
+
+
+class Allocations(TorchDispatchMode):  # type: ignore[misc]
+    """The bytes of every new (non-view) tensor made inside the block, and the ops run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(str(func.overloadpacket.__name__))
+        mutating = func._schema.is_mutable or func.is_view
+        for t in out if isinstance(out, (list, tuple)) else [out]:
+            if isinstance(t, torch.Tensor) and not mutating:
+                self.bytes += t.untyped_storage().nbytes()
+        return out

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from torch.optim.adam import adam as torch_adam_functional
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from precision_annot._src import update_kernels as kernels
 from tests.adapters.conftest import group  # noqa: F401 - the one-rank process group fixture
+from tests.helpers import Allocations
 
 #: shapes with odd sizes, one larger than the small chunk the tests use (so it is split), and
 #: several smaller ones (so they are grouped into one chunk)
@@ -254,25 +254,6 @@ def test_the_gradients_as_stored_are_left_as_they_were() -> None:
                  decoupled=True, weight_decay=0.0, stored=layout.stored,
                  grad_scale=torch.tensor(4.0), chunk=CHUNK, **HYPER)
     assert all(bits_equal(a, b) for a, b in zip(grads, kept, strict=True))
-
-
-class Allocations(TorchDispatchMode):  # type: ignore[misc]
-    """The bytes of every new (non-view) tensor made inside the block, and the ops run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.ops.append(str(func.overloadpacket.__name__))
-        mutating = func._schema.is_mutable or func.is_view
-        for t in out if isinstance(out, (list, tuple)) else [out]:
-            if isinstance(t, torch.Tensor) and not mutating:
-                self.bytes += t.untyped_storage().nbytes()
-        return out
 
 
 def test_a_masters_step_makes_no_full_size_temporary() -> None:

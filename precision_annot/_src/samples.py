@@ -16,7 +16,7 @@ from torch import nn
 
 from precision_annot._src.casting import floating_leaves
 
-__all__ = ["as_call", "loss_of", "projected_loss", "scalar_loss", "step"]
+__all__ = ["as_call", "loss_of", "projected_loss", "scalar_loss", "step", "takes_sample"]
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -96,13 +96,7 @@ def loss_of(loss_fn: Callable[..., Any] | None, where: str
     if not callable(loss_fn):
         raise TypeError(f"{where}(loss_fn=...) is a function: output -> loss, or "
                         f"(output, sample) -> loss. Received: loss_fn={loss_fn!r}")
-    try:
-        params = [p for p in inspect.signature(loss_fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                  and p.default is p.empty]
-        two = len(params) >= 2
-    except (TypeError, ValueError):  # a builtin without a signature: one argument
-        two = False
+    two = takes_sample(loss_fn)
 
     def loss(output: Any, sample: Any) -> torch.Tensor | None:
         value = loss_fn(output, sample) if two else loss_fn(output)
@@ -116,6 +110,19 @@ def loss_of(loss_fn: Callable[..., Any] | None, where: str
                         f"{_described(value)}")
 
     return loss
+
+
+def takes_sample(loss_fn: Callable[..., Any]) -> bool:
+    """Whether `loss_fn` is `(output, sample) -> loss` rather than `output -> loss`: it has
+    two or more positional parameters without a default (a builtin without a signature takes
+    one)."""
+    try:
+        params = [p for p in inspect.signature(loss_fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.default is p.empty]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 2
 
 
 def _described(value: Any) -> str:

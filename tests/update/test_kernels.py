@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import precision_annot as pa
 from precision_annot._src import update_kernels
 from precision_annot._src.update import engines
 from precision_annot._src.update import step as update_step
+from tests.helpers import Allocations
 
 bf16, fp32 = torch.bfloat16, torch.float32
 
@@ -146,25 +146,6 @@ def test_the_default_step_differs_from_torchs_for_loop_only_in_the_last_bits() -
         a, b = opt.master(p), ref.master(q)
         assert a is not None and b is not None
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-
-
-class Allocations(TorchDispatchMode):  # type: ignore[misc]
-    """The bytes of every new (non-view) tensor made inside the block, and the ops run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.ops.append(str(func.overloadpacket.__name__))
-        mutating = func._schema.is_mutable or func.is_view
-        for t in out if isinstance(out, (list, tuple)) else [out]:
-            if isinstance(t, torch.Tensor) and not mutating:
-                self.bytes += t.untyped_storage().nbytes()
-        return out
 
 
 def test_a_step_makes_no_temporary_and_cuts_only_the_gradients() -> None:

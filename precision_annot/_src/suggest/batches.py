@@ -3,7 +3,6 @@ sample or given, and the loss function as one signature."""
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 
 from precision_annot._src.casting import map_tree
-from precision_annot._src.samples import as_call
+from precision_annot._src.samples import as_call, takes_sample
 from precision_annot._src.suggest.records import LossFn, Sample
 
 
@@ -23,14 +22,7 @@ def as_loss_fn(loss_fn: Callable[..., torch.Tensor] | None) -> LossFn | None:
     if not callable(loss_fn):
         raise TypeError(f"suggest(loss_fn=...) must be callable: output -> loss, or "
                         f"(output, sample) -> loss. Received: loss_fn={loss_fn!r}")
-    try:
-        params = [p for p in inspect.signature(loss_fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-                  and p.default is p.empty]
-        two = len(params) >= 2
-    except (TypeError, ValueError):
-        two = False
-    if two:
+    if takes_sample(loss_fn):
         return lambda output, sample: loss_fn(output, sample.original)
     return lambda output, sample: loss_fn(output)
 
