@@ -57,12 +57,9 @@ class AppliedState:
     tracing: bool = False
     # the parameters whose gradients accumulate wider than they are stored (grad=fp32)
     wide: grads.WideGrads | None = None
-    # the tensors a `load_state_dict` under way hands each parameter (its pre hook to its post
-    # hook): a master copy starts from them where they are as wide
-    loading: dict[Key, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # the submodule a `load_state_dict` under way was called on, with what it hands each
-    # parameter below it (a load of the whole model goes through `loading`)
-    loading_below: tuple[nn.Module, dict[torch.Tensor, torch.Tensor]] | None = None
+    # the module a `load_state_dict` under way was called on (the model or a submodule), with
+    # what it hands each parameter below it: the optimizers' masters restart from it
+    loading: tuple[nn.Module, dict[torch.Tensor, torch.Tensor]] | None = None
 
     def warn_drift(self, where: str, planned: torch.dtype, now: torch.dtype, how: str) -> None:
         """Say once per apply that tensors left their planned dtypes."""
@@ -88,31 +85,29 @@ class AppliedState:
         warn_narrowed("load_state_dict", narrowed(planned, (
             (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor))),
             stacklevel=3)
-        self.loading_below = (model, {})  # (the submodules' hooks leave this load alone)
-        self.loading = {key: value for key, name in keys.items()
-                        if key[1] == "param" and isinstance(value := state_dict.get(name),
-                                                            torch.Tensor)}
 
-    def before_submodule_load(self, module: nn.Module, state_dict: Mapping[str, Any],
-                              prefix: str, *args: Any) -> None:
-        """`load_state_dict` pre hook of each submodule: a load called on the submodule itself
-        (not reached through the model's, whose hooks see to it; a load's own module is
-        given an empty prefix, or, through a wrapper, comes first) notes what it hands each
-        parameter below it, so that the masters restart from it."""
-        if prefix and self.loading_below is not None:
+    def before_load_masters(self, module: nn.Module, state_dict: Mapping[str, Any],
+                            prefix: str, *args: Any) -> None:
+        """`load_state_dict` pre hook of the model and each submodule: the module the load was
+        called on (given an empty prefix, or, through a wrapper, the first one reached) notes
+        what it hands each parameter below it; the modules the load reaches through it leave
+        it alone."""
+        if prefix and self.loading is not None:
             return
         given: dict[torch.Tensor, torch.Tensor] = {
             p: value for name, p in module.named_parameters()
             if isinstance(value := state_dict.get(f"{prefix}{name}"), torch.Tensor)}
-        self.loading_below = (module, given)
+        self.loading = (module, given)
 
-    def after_submodule_load(self, module: nn.Module, incompatible: Any) -> None:
-        """`load_state_dict` post hook of each submodule: the load called on it restarts the
-        masters of the parameters it changed (as a load of the whole model does)."""
-        held = self.loading_below
+    def after_load_masters(self, module: nn.Module, incompatible: Any) -> None:
+        """`load_state_dict` post hook of the model and each submodule: the planned
+        optimizers' masters of the parameters the load gave values start from them (the
+        checkpoint's own), so that the next step does not write the old masters back over
+        the loaded weights."""
+        held = self.loading
         if held is None or held[0] is not module:
             return
-        self.loading_below = None
+        self.loading = None
         if held[1]:
             guard.loaded(held[1])
 
@@ -121,9 +116,7 @@ class AppliedState:
         model, in the checkpoint's dtypes; each goes back to its planned dtype (the same
         parameter object, its data cast), new parameters accumulate their gradients in the
         plan's dtype, and the step guard learns the new parameters."""
-        self.loading_below = None
         named = dict(model.named_modules())
-        self.reload_masters(named)
         moved = False
         cast: dict[tuple[Any, ...], torch.Tensor] = {}  # one cast per tensor the load gave
         for (name, kind, tname), target in self.execution.targets.items():
@@ -142,21 +135,6 @@ class AppliedState:
             self.wide.bind(model)
         if moved:
             guard.note([], guard.planned_updates(self.plan, named))
-
-
-    def reload_masters(self, named: Mapping[str, nn.Module]) -> None:
-        """The planned optimizers' masters of the parameters the load gave new values start
-        from those values (the checkpoint's own where as wide as the master), so that the
-        next step does not write the old masters back over the loaded weights."""
-        loading, self.loading = self.loading, {}
-        given: dict[torch.Tensor, torch.Tensor] = {}
-        for (name, kind, tname), value in loading.items():
-            module = named.get(name)
-            param = None if module is None else get_tensor(module, kind, tname)
-            if isinstance(param, torch.Tensor):
-                given[param] = value
-        if given:
-            guard.loaded(given)
 
 
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -736,10 +714,9 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
     _widen(root, state, wide, widened)
     root.register_load_state_dict_pre_hook(state.before_load)  # type: ignore[no-untyped-call]
     root.register_load_state_dict_post_hook(state.after_load)  # type: ignore[no-untyped-call]
-    for module in named.values():
-        if module is not root:
-            module.register_load_state_dict_pre_hook(state.before_submodule_load)
-            module.register_load_state_dict_post_hook(state.after_submodule_load)
+    for module in named.values():  # (the root's after the root's own load hooks)
+        module.register_load_state_dict_pre_hook(state.before_load_masters)
+        module.register_load_state_dict_post_hook(state.after_load_masters)
     object.__setattr__(root, _STATE_ATTR, state)
 
 
