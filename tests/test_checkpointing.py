@@ -245,27 +245,78 @@ def test_a_module_checkpointed_on_its_own_sets_up_its_boundary_both_times(
     assert_same(whole, step(lambda inp: run(model, inp, reentrant=reentrant), x, model))
 
 
-def test_composable_checkpoint_and_fsdps_checkpoint_wrapper() -> None:
+@pytest.mark.parametrize("preset", ["bf16-mixed", "bf16-true", "16-mixed"])
+def test_composable_checkpoint_and_fsdps_checkpoint_wrapper(preset: str) -> None:
     """torch's other checkpoint entry points: the composable `checkpoint(module)` and the
-    `checkpoint_wrapper` FSDP users apply with `apply_activation_checkpointing`."""
+    `checkpoint_wrapper` FSDP users apply with `apply_activation_checkpointing`, of both
+    kinds: the loss and every gradient bit for bit those without checkpointing."""
     composable = pytest.importorskip("torch.distributed._composable")
     wrapper = pytest.importorskip(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
-    model = stack("bf16-mixed")
+    model = stack(preset)
     x = torch.randn(4, 8)
     plain = step(model, x)
     hooked = copy.deepcopy(model)
     for block in hooked.blocks:
         composable.checkpoint(block)
     assert_same(plain, step(hooked, x))
-    wrapped = copy.deepcopy(model)
-    wrapper.apply_activation_checkpointing(
-        wrapped, checkpoint_wrapper_fn=functools.partial(
-            wrapper.checkpoint_wrapper, checkpoint_impl=wrapper.CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, Block))
-    assert sum(isinstance(m, wrapper.CheckpointWrapper) for m in wrapped.modules()) == 3
-    assert_same(plain, {k.replace("._checkpoint_wrapped_module", ""): v
-                        for k, v in step(wrapped, x).items()})
+    for impl in (wrapper.CheckpointImpl.NO_REENTRANT, wrapper.CheckpointImpl.REENTRANT):
+        wrapped = copy.deepcopy(model)
+        wrapper.apply_activation_checkpointing(
+            wrapped, checkpoint_wrapper_fn=functools.partial(
+                wrapper.checkpoint_wrapper, checkpoint_impl=impl),
+            check_fn=lambda m: isinstance(m, Block))
+        assert sum(isinstance(m, wrapper.CheckpointWrapper) for m in wrapped.modules()) == 3
+        assert_same(plain, {k.replace("._checkpoint_wrapped_module", ""): v
+                            for k, v in step(wrapped, x).items()})
+
+
+_OUT_OF_REACH = """
+import torch, torch.utils.checkpoint as c
+from torch import nn
+from precision_annot._src import seams
+real = getattr(c, seams.CHECKPOINT_GENERATOR)
+if {renamed!r}:  # as torch 2.14 left the old name: it is there, and checkpoint calls another
+    c._old_generator = lambda *args, **kwargs: real(*args, **kwargs)
+    seams.CHECKPOINT_GENERATOR = "_old_generator"
+else:
+    seams.CHECKPOINT_GENERATOR = "_no_such_generator"
+from precision_annot import apply
+from precision_annot._src.recompute import CheckpointSupportError
+for attempt in range(2):
+    try:
+        apply(nn.Sequential(nn.Linear(2, 2)), default="bf16-mixed")
+        print("applied")
+    except CheckpointSupportError as error:
+        print("refused:", error)
+assert c.CheckpointFunction.__module__ == "torch.utils.checkpoint"
+assert getattr(c, seams.CHECKPOINT_GENERATOR, None) in (None, getattr(c, "_old_generator", 0))
+y = c.checkpoint(torch.sin, torch.ones(2, requires_grad=True), use_reentrant=False)
+y.sum().backward()
+print("checkpoint still runs")
+"""
+
+
+@pytest.mark.parametrize("renamed", [True, False])
+def test_a_checkpoint_start_out_of_reach_is_refused_at_apply(renamed: bool) -> None:
+    """Where torch starts a checkpoint through a name this package does not wrap (torch 2.14
+    renamed the generator and kept the old name, which nothing called: the rerun then ran
+    without the captured state, silently), `apply` refuses, every time, naming the torch
+    and what to do, and torch's checkpoint is left as it was."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _OUT_OF_REACH.format(renamed=renamed)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and lines[2] == "checkpoint still runs", done.stdout
+    for line in lines[:2]:
+        assert line.startswith("refused: precision_annot: with torch "), line
+        assert "rerun in backward without its boundaries' state" in line
+        assert "tested on (" in line
+    assert ("a non-reentrant checkpoint reran without the state" in lines[0]) is renamed
+    assert ("_no_such_generator" in lines[0]) is not renamed
 
 
 def test_reentrant_checkpoint_keeps_torchs_autograd_function() -> None:

@@ -9,35 +9,58 @@ model's boundaries keep per-thread state while its forward runs (`boundary.Forwa
 `install` has every checkpoint capture that state when it starts and rerun its function under
 it.
 
-It wraps the two names through which `torch.utils.checkpoint.checkpoint` starts each call
-(`CheckpointFunction` and `_checkpoint_without_reentrant_generator`, which it looks up at every
-call): callers that bound `checkpoint` itself at import (transformers, FSDP's
-`checkpoint_wrapper`) and torch's composable `checkpoint(module)` go through them too, and
+It wraps the two names through which `torch.utils.checkpoint` starts each call: the public
+`CheckpointFunction` (reentrant) and the private generator of the non-reentrant kind
+(`seams.CHECKPOINT_GENERATOR`: torch 2.14 renamed it, and the old name stayed as a wrapper
+nothing calls). Callers that bound `checkpoint` itself at import (transformers, FSDP's
+`checkpoint_wrapper`) and torch's composable `checkpoint(module)` go through them too;
 `torch.compile`, which traces a checkpoint as a graph of its own, calls neither. Outside an
 applied forward a checkpoint costs one thread-local read more and runs as before.
+
+A rename cannot make this silent: `install` runs one checkpoint of each kind, forward and
+backward, and raises if either rerun missed the captured state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["Capture", "install"]
+from precision_annot._src import seams
+
+__all__ = ["Capture", "CheckpointSupportError", "install"]
 
 #: returns, when a checkpoint starts, what re-enters its state for the rerun (None: nothing to)
 Capture = Callable[[], "Callable[[], contextlib.AbstractContextManager[Any]] | None"]
 
-_GENERATOR = "_checkpoint_without_reentrant_generator"
 _REENTRANT = "CheckpointFunction"
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 
-_installed: list[Capture] = []
+
+class CheckpointSupportError(RuntimeError):
+    """The installed torch's activation checkpointing does not start where this package
+    captures an applied forward's state, so a checkpointed region would rerun without it."""
+
+
+class _Installed(threading.local):
+    """The capture every checkpoint asks; a probe overrides it in its own thread."""
+
+    probe: Capture | None = None
+
+
+_capture: list[Capture] = []
+_refused: list[CheckpointSupportError] = []
+_local = _Installed()
+
+
+def _current() -> Capture:
+    return _local.probe or _capture[0]
 
 
 def _under(fn: Callable[..., Any], restored: Callable[[], contextlib.AbstractContextManager[Any]]
@@ -52,15 +75,15 @@ def _under(fn: Callable[..., Any], restored: Callable[[], contextlib.AbstractCon
     return rerun
 
 
-def _captured(capture: Capture, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _captured(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` as the checkpoint starting now should rerun it."""
     if torch.compiler.is_compiling():
         return fn
-    restored = capture()
+    restored = _current()()
     return fn if restored is None else _under(fn, restored)
 
 
-def _reentrant(original: Any, capture: Capture) -> Any:
+def _reentrant(original: Any) -> Any:
     """torch's `CheckpointFunction`, applying itself to the function under the captured
     state: a subclass of the same name, so its graph nodes keep their name and
     `isinstance` and subclasses keep working."""
@@ -70,7 +93,7 @@ def _reentrant(original: Any, capture: Capture) -> Any:
 
         @classmethod
         def apply(cls, function: Callable[..., Any], *args: Any) -> Any:
-            return super().apply(_captured(capture, function), *args)
+            return super().apply(_captured(function), *args)
 
     CheckpointFunction.__module__ = original.__module__
     return CheckpointFunction
@@ -78,29 +101,81 @@ def _reentrant(original: Any, capture: Capture) -> Any:
 
 def install(capture: Capture) -> None:
     """Have every `torch.utils.checkpoint` checkpoint rerun its function under what `capture`
-    returns when it starts. Once per process; later calls do nothing."""
-    if _installed:
+    returns when it starts. Once per process; later calls do nothing, or raise again what the
+    first one raised.
+
+    Raises:
+        CheckpointSupportError: the installed torch starts checkpoints elsewhere (a rename).
+    """
+    if _refused:
+        raise _refused[0]
+    if _capture:
         return
-    _installed.append(capture)
-    # NOTE: torch.utils.checkpoint offers no hook for a library's forward state (context_fn is
-    # the caller's, and only without reentrance). These two module-level names are private
-    # but have held every checkpoint's start since torch 2.1; what is there now is wrapped,
-    # so a wrapper installed before this one keeps working.
     module = torch.utils.checkpoint
-    generator = getattr(module, _GENERATOR, None)
-    if generator is None or not isinstance(getattr(module, _REENTRANT, None), type):
-        warnings.warn(
-            "precision_annot: this torch's torch.utils.checkpoint has no "
-            f"{_GENERATOR} / {_REENTRANT}; a checkpointed region of an applied model reruns "
-            "without the boundaries' state (fp32 islands may see other dtypes in the rerun).",
-            RuntimeWarning, stacklevel=2)
-        return
+    generator: Callable[..., Any] | None = getattr(module, seams.CHECKPOINT_GENERATOR, None)
+    reentrant = getattr(module, _REENTRANT, None)
+    if generator is None or not isinstance(reentrant, type):
+        raise _refused_for(f"torch.utils.checkpoint has no {seams.CHECKPOINT_GENERATOR} or "
+                           f"{_REENTRANT}")
+    # NOTE: torch.utils.checkpoint offers no hook for a library's forward state (context_fn is
+    # the caller's, and only without reentrance; transformers and checkpoint_wrapper pass
+    # none). What is there now is wrapped, so a wrapper installed before this one keeps working.
 
     def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return generator(_captured(capture, fn), *args, **kwargs)
+        return generator(_captured(fn), *args, **kwargs)
 
-    setattr(module, _GENERATOR, without_reentrant)
-    setattr(module, _REENTRANT, _reentrant(getattr(module, _REENTRANT), capture))
+    _capture.append(capture)
+    setattr(module, seams.CHECKPOINT_GENERATOR, without_reentrant)
+    setattr(module, _REENTRANT, _reentrant(reentrant))
     composable = sys.modules.get(_COMPOSABLE)  # imported before: it holds the name it imported
-    if composable is not None and getattr(composable, _GENERATOR, None) is generator:
-        setattr(composable, _GENERATOR, without_reentrant)
+    if composable is None or getattr(composable, seams.CHECKPOINT_GENERATOR, None) is not generator:
+        composable = None
+    else:
+        setattr(composable, seams.CHECKPOINT_GENERATOR, without_reentrant)
+    missed = _probe()
+    if missed:
+        setattr(module, seams.CHECKPOINT_GENERATOR, generator)
+        setattr(module, _REENTRANT, reentrant)
+        if composable is not None:
+            setattr(composable, seams.CHECKPOINT_GENERATOR, generator)
+        _capture.clear()
+        raise _refused_for(f"a {' and a '.join(missed)} checkpoint reran without the state "
+                           "captured when it started")
+
+
+def _refused_for(what: str) -> CheckpointSupportError:
+    """The error `install` raises, now and at every later call."""
+    error = CheckpointSupportError(
+        f"precision_annot: with torch {torch.__version__}, {what}. A checkpointed region of an "
+        "applied model would rerun in backward without its boundaries' state, and its "
+        "gradients would be silently another computation's. Upgrade precision_annot, or use a "
+        f"torch it was tested on ({seams.tested()}).")
+    _refused.append(error)
+    return error
+
+
+def _probe() -> list[str]:
+    """One small checkpoint of each kind, forward and backward: the kinds whose rerun did not
+    run under what was captured at its start."""
+    missed = []
+    for reentrant in (False, True):
+        reruns: list[bool] = []
+
+        @contextlib.contextmanager
+        def marked(reruns: list[bool] = reruns) -> Iterator[None]:
+            reruns.append(torch.is_grad_enabled())
+            yield
+
+        x = torch.ones(2, requires_grad=True)
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(
+                "cpu", enabled=False):
+            _local.probe = lambda: (lambda: marked())
+            try:
+                y = torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=reentrant)
+            finally:
+                _local.probe = None
+            reruns.clear()  # the reentrant kind runs its function under it in the forward too
+            y.sum().backward()
+        if not (reruns and all(reruns)):
+            missed.append("reentrant" if reentrant else "non-reentrant")
+    return missed
