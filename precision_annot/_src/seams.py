@@ -12,7 +12,9 @@ import re
 
 import torch
 
-__all__ = ["CHECKPOINT_GENERATOR", "FLOOR", "NEWEST", "TORCH", "at_least", "parse", "tested"]
+__all__ = ["CHECKPOINT_GENERATOR", "FLOOR", "FSDP2_GRAD_DTYPE", "FSDP2_KEEPS_PARAM_DTYPE",
+           "FSDP2_REDUCES_IN_GRAD_DTYPE", "FSDP2_TP_REDUCE_DTYPE", "NEWEST", "TORCH", "at_least",
+           "fsdp2_default_reduce", "parse", "tested"]
 
 
 def parse(version: str) -> tuple[int, int, int]:
@@ -50,3 +52,44 @@ def at_least(major: int, minor: int) -> bool:
 #: longer calls (wrapping the old name there changed nothing, silently)
 CHECKPOINT_GENERATOR = ("_checkpoint_without_reentrant_generator_impl" if at_least(2, 14)
                         else "_checkpoint_without_reentrant_generator")
+
+
+# -- FSDP2 (torch.distributed.fsdp.fully_shard) ---------------------------------------------------
+
+#: `MixedPrecisionPolicy(param_dtype_override_fn=...)`: chosen parameters of a unit are gathered
+#: in their own (original) dtype, the rest in `param_dtype` (torch 2.15)
+FSDP2_KEEPS_PARAM_DTYPE = at_least(2, 15)
+
+#: FSDP2 keeps a parameter's `Tensor.grad_dtype`: bf16 weights with grad_dtype=fp32 get fp32
+#: sharded gradients (pytorch issue 170648; 2.13 and 2.14 gave bf16)
+FSDP2_GRAD_DTYPE = at_least(2, 15)
+
+#: with `reduce_dtype=None`, gradients are reduced in each parameter's `grad_dtype` (unset: its
+#: original dtype), no longer in `param_dtype` (torch 2.15; FSDP1 still uses `param_dtype`)
+FSDP2_REDUCES_IN_GRAD_DTYPE = at_least(2, 15)
+
+#: the tensor-parallel `Partial -> Replicate` all-reduce of a replicated parameter's gradient (a
+#: sequence-parallel norm's weight) runs in the unit's reduce dtype, not the gradient's
+#: (pytorch issue 190626, torch 2.15)
+FSDP2_TP_REDUCE_DTYPE = at_least(2, 15)
+
+
+def fsdp2_default_reduce(param_dtype: torch.dtype | None, stored: torch.dtype | None,
+                         grad_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """What FSDP2 reduces a unit's gradients in when its `reduce_dtype` is None: its
+    `param_dtype` up to torch 2.14; from 2.15 the parameters' `grad_dtype`, else their original
+    (stored) dtype."""
+    if FSDP2_REDUCES_IN_GRAD_DTYPE:
+        return grad_dtype or stored
+    return param_dtype or stored
+
+
+# -- autograd -------------------------------------------------------------------------------------
+
+#: `torch.autograd.graph.queue_callback(callback)`: run `callback` when the running backward
+#: ends, after the callbacks queued before it. Public from torch 2.15, whose function is the very
+#: call made before it on autograd's engine (NOTE: private, `Variable._execution_engine`).
+QUEUE_CALLBACK_PUBLIC = at_least(2, 15)
+queue_callback = (torch.autograd.graph.queue_callback  # type: ignore[attr-defined,unused-ignore]
+                  if QUEUE_CALLBACK_PUBLIC
+                  else torch.autograd.Variable._execution_engine.queue_callback)

@@ -23,6 +23,7 @@ from precision_annot import (
     precision,
     resolve,
 )
+from precision_annot._src import seams
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.tables import human_bytes
 from precision_annot.adapters import fsdp
@@ -119,11 +120,13 @@ def recorded(calls: list[list[Any]], ops: tuple[str, ...]) -> Counter[tuple[str,
 
 
 def predicted(cost: fsdp.CollectiveCost, gather: str, steps: int) -> Counter[tuple[str, str]]:
-    """The collectives `collective_cost` says `steps` steps issue, by kind and dtype."""
+    """The collectives `collective_cost` says `steps` steps issue, by kind and dtype (a unit
+    keeping some parameters in their own dtype gathers its bytes, as uint8)."""
     out: Counter[tuple[str, str]] = Counter()
     for c in cost.units:
         (stored,) = c.unit.storage
-        out[gather, dtype_name(c.unit.param_dtype or stored)] += c.gathers * steps
+        moved = "uint8" if c.unit.kept else dtype_name(c.unit.param_dtype or stored)
+        out[gather, moved] += c.gathers * steps
         out["reduce_scatter_single", dtype_name(c.unit.reduce_dtype or stored)] += steps
     return out
 
@@ -148,13 +151,16 @@ def test_two_ranks_train_with_planned_dtypes(mode: str, tmp_path: Path) -> None:
     if mode == "fsdp1":
         return
     # merge_below: the island shares the root's unit, 2 collectives a step instead of 5, the
-    # unit gathered and reduced in fp32; the island still computes in fp32, the rest in bf16
+    # unit reduced in fp32 and gathered in fp32 (before torch 2.15), or from 2.15 with the
+    # island's parameters in fp32 and the rest in bf16 (param_dtype_override_fn: FSDP2 then
+    # gathers the unit's bytes); the island still computes in fp32, the rest in bf16
     merged_cost = fsdp.collective_cost(resolve(Net(), default=POLICY), merge_below=MERGE_BELOW)
     assert merged_cost.collectives == 2
+    moved = "uint8" if seams.FSDP2_KEEPS_PARAM_DTYPE else "fp32"
     for r in ranks:
         m = r["merged"]
         assert recorded(m["collectives"], (gather, "reduce_scatter_single")) == predicted(
-            merged_cost, gather, 5) == Counter({(gather, "fp32"): 5,
+            merged_cost, gather, 5) == Counter({(gather, moved): 5,
                                                 ("reduce_scatter_single", "fp32"): 5})
         assert m["seen"] == {"fc1": ["bf16"], "norm": ["fp32"], "fc2": ["bf16"]}
         assert m["losses"][-1] < m["losses"][0] * 0.9
@@ -174,6 +180,8 @@ def small_islands(blocks: int = 5) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+@pytest.mark.skipif(seams.FSDP2_KEEPS_PARAM_DTYPE,
+                    reason="from torch 2.15 the islands stay in the unit around them")
 def test_check_many_small_units_and_the_merge_that_answers_it() -> None:
     plan = resolve(small_islands(), default="bf16-mixed")
     found = [f for f in fsdp.findings(plan) if f.code == "fsdp-small-units"]
@@ -233,6 +241,8 @@ class Block(nn.Module):
         return out
 
 
+@pytest.mark.skipif(seams.FSDP2_KEEPS_PARAM_DTYPE,
+                    reason="from torch 2.15 the islands stay in their blocks' units")
 def test_check_counts_the_units_selected_as_fully_shard_would() -> None:
     from precision_annot import check
 
@@ -341,3 +351,87 @@ def test_fully_shard_refuses_units_given_as_one_string_or_a_number() -> None:
                                             rf"Received: units={bad!r}"):
             unit_names(plan, model, bad)  # type: ignore[arg-type]
     assert "0" in unit_names(plan, model, ["0"])
+
+
+def test_fp32_islands_join_the_unit_around_them_where_fsdp2_keeps_their_dtype() -> None:
+    """From torch 2.15 an island computing in its storage dtype (an fp32 LayerNorm in a
+    bf16-mixed model) is no unit of its own: FSDP2 gathers its parameters in fp32 inside the
+    unit around it (`param_dtype_override_fn`), 3 collectives a step fewer per island; FSDP1,
+    which has no such switch, keeps a unit per island. What `check` says follows."""
+    plan = resolve(small_islands(), default="bf16-mixed")
+    separate = fsdp.collective_cost(plan, keep_dtype_in_unit=False)
+    kept = fsdp.collective_cost(plan, keep_dtype_in_unit=True)
+    assert (separate.collectives, kept.collectives) == (17, 2)
+    (unit,) = [c.unit for c in kept.units]
+    assert unit.param_dtype == bf16 and unit.kept == tuple(f"{i}.inner" for i in (1, 3, 5, 7, 9))
+    # bytes: the Linears gathered in bf16 and the norms in fp32, once (the root), everything
+    # reduced in fp32 (the preset's comm)
+    assert kept.bytes == 5 * 16512 * 2 + 5 * 256 * 4 + 83840 * 4
+    assert fsdp.unit_names(plan, keep_dtype_in_unit=True) == [""]
+    assert fsdp.unit_names(plan) == ["1", "3", "5", "7", "9", ""]  # FSDP1's, and before 2.15
+    small = [f for f in fsdp.findings(plan) if f.code == "fsdp-small-units"]
+    assert bool(small) is not seams.FSDP2_KEEPS_PARAM_DTYPE
+    assert [f.code for f in fsdp.findings(plan, "fsdp1")] == ["fsdp-small-units"]
+    # an island reduced in another dtype than its unit cannot join it (one reduce dtype a unit)
+    wide = resolve(small_islands(), default="bf16-mixed,comm=bf16")
+    assert fsdp.unit_names(wide, keep_dtype_in_unit=True) == ["1", "3", "5", "7", "9", ""]
+
+
+def test_llama_norm_islands_cost_fewer_collectives_where_fsdp2_keeps_their_dtype() -> None:
+    """A Llama from a small config, bf16-mixed with its RMS norms fp32, sharded a
+    unit per decoder layer: before torch 2.15 each norm (2 a layer, 1 final) is a unit of its own (3
+    collectives a step each); from 2.15 they stay in their layers' units."""
+    pytest.importorskip("transformers")
+    from tests.adapters.hf_models import build
+
+    torch.manual_seed(0)
+    model, _ = build("llama")
+    layers = len(model.model.layers)
+    from precision_annot import annotate
+
+    annotate(model, {"*norm": "fp32"})
+    plan = resolve(model, default="bf16-mixed")
+    layer_type = type(model.model.layers[0])
+    names = {keep: fsdp.unit_names(plan, model, [layer_type], keep_dtype_in_unit=keep)
+             for keep in (False, True)}
+    separate = fsdp.collective_cost(plan, names[False], keep_dtype_in_unit=False)
+    kept = fsdp.collective_cost(plan, names[True], keep_dtype_in_unit=True)
+    norms = 2 * layers + 1
+    assert len(names[False]) - len(names[True]) == norms
+    assert separate.collectives - kept.collectives == 3 * norms
+    assert all(c.unit.kept for c in kept.units if c.unit.name.startswith("model.layers."))
+
+
+def test_two_ranks_keep_fp32_islands_in_their_blocks_units_as_separate_units_compute(
+        tmp_path: Path) -> None:
+    """2 gloo ranks, a bf16-mixed model of 3 blocks each ending in an fp32 LayerNorm island,
+    3 SGD steps, a unit per block. From torch 2.15 `fully_shard` keeps each island in its
+    block's unit (gathered in fp32 through `param_dtype_override_fn`): 9 collectives a step
+    fewer than with each island a unit of its own, and the trained parameters equal bit for
+    bit. Before 2.15 both layouts are the separate one."""
+    launch("tests.workers.islands", str(tmp_path), ranks=2, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    from tests.workers.islands import BLOCKS, STEPS
+
+    ops = ("all_gather_single", "reduce_scatter_single")
+    for r in ranks:
+        native, separate = r["native"], r["separate"]
+        assert native["params"] == separate["params"]  # bit for bit
+        for run in (native, separate):
+            assert run["seen"] == [["fp32", "fp32"]]  # the islands: fp32 inputs and weights
+        # a block unit: 2 gathers and a reduce-scatter a step; the root (the last Linear): 1+1
+        blocks = Counter({("all_gather_single", "bf16"): 2 * BLOCKS * STEPS,
+                          ("reduce_scatter_single", "fp32"): BLOCKS * STEPS})
+        root = Counter({("all_gather_single", "bf16"): STEPS,
+                        ("reduce_scatter_single", "fp32"): STEPS})
+        islands = Counter({("all_gather_single", "fp32"): 2 * BLOCKS * STEPS,
+                           ("reduce_scatter_single", "fp32"): BLOCKS * STEPS})
+        assert recorded(separate["collectives"], ops) == blocks + root + islands
+        if seams.FSDP2_KEEPS_PARAM_DTYPE:
+            mixed = Counter({("all_gather_single", "uint8"): 2 * BLOCKS * STEPS,
+                             ("reduce_scatter_single", "fp32"): BLOCKS * STEPS})
+            assert recorded(native["collectives"], ops) == mixed + root
+            assert native["kept"] == [str(i) for i in range(BLOCKS)]
+            assert len(native["units"]) == BLOCKS + 1
+        else:
+            assert native["collectives"] == separate["collectives"] and native["kept"] == []

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from precision_annot._src import seams
 from tests.helpers import launch
 
 
@@ -46,6 +47,7 @@ def test_ddp_no_sync_and_fsdp2_accumulate_in_fp32_as_by_hand(tmp_path: Path) -> 
         assert r["sums"] == ["torch.bfloat16"] and r["grads"] == ["torch.float32"], r
 
 
+@pytest.mark.skipif(seams.FSDP2_GRAD_DTYPE, reason="torch 2.15's FSDP2 keeps grad_dtype")
 def test_fsdp2_refuses_grad_fp32_without_a_master_before_sharding() -> None:
     import torch
 
@@ -60,6 +62,18 @@ def test_fsdp2_refuses_grad_fp32_without_a_master_before_sharding() -> None:
         fsdp.fully_shard(model)
     assert {(p.dtype, p.grad_dtype) for p in model.parameters()} == {
         (torch.bfloat16, torch.float32)}  # untouched
+
+
+@pytest.mark.skipif(not seams.FSDP2_GRAD_DTYPE, reason="FSDP2 keeps grad_dtype from torch 2.15")
+def test_fsdp2_keeps_fp32_gradients_of_bf16_shards_without_a_master(tmp_path: Path) -> None:
+    """From torch 2.15 FSDP2 keeps each parameter's `grad_dtype`: `bf16-true,grad=fp32`
+    without masters shards bf16 weights with fp32 gradient shards, each micro-batch's bf16
+    reduce-scatter added into them, and the step reads them; equal bit for bit to the same
+    plan's optimizer on one process fed the same reduced gradients by hand."""
+    (ranks,) = ddp_cases(["fsdp2_grad"], tmp_path).values()
+    for r in ranks:
+        assert r["weights"] == 0.0, r
+        assert r["grads"] == ["DTensor torch.bfloat16 torch.float32"], r
 
 
 @pytest.mark.slow  # 25 s: 11 more DDP loops on 2 ranks

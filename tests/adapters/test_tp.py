@@ -380,14 +380,23 @@ def test_fp8_tp_equals_torchaos_styles_by_hand_bit_for_bit(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_fsdp2_and_tp_on_a_2x2_mesh(tmp_path: Path) -> None:
-    """4 ranks, dp x tp = 2 x 2, sequence-parallel LayerNorms: torch's styles all-reduce the
-    replicated norms' gradients in bf16 (FSDP2's reduce_dtype misses them, PyTorch issue
-    190626); here each in its planned comm (block 0's fp32, block 1's bf16). The ranks agree,
-    and they equal the same steps in one process."""
+    """4 ranks, dp x tp = 2 x 2, sequence-parallel LayerNorms: before torch 2.15 torch's
+    styles all-reduce the replicated norms' gradients in bf16 (FSDP2's reduce_dtype misses
+    them, PyTorch issue 190626); here each in its planned comm (block 0's fp32, block 1's
+    bf16). From 2.15 FSDP2 does that itself, and `fully_shard` leaves it to FSDP2. The ranks
+    agree, and they equal the same steps in one process."""
+    from precision_annot._src import seams
+
     ranks = run_ranks("fsdp", tmp_path, 4)
     first = ranks[0]
-    assert first["torch"] == [["all_reduce", "bf16"]]
-    assert first["ours"] == [["all_reduce", "bf16"], ["all_reduce", "fp32"]]
+    planned = [["all_reduce", "bf16"], ["all_reduce", "fp32"]]
+    assert first["torch"] == (planned if seams.FSDP2_TP_REDUCE_DTYPE else [["all_reduce", "bf16"]])
+    assert first["ours"] == planned
+    # the hooks reducing the norms' and the row-parallel biases' partial gradients in comm:
+    # from torch 2.15 left to FSDP2, which reduces them in its units' reduce dtypes
+    native = ", native" if seams.FSDP2_TP_REDUCE_DTYPE else ""
+    assert set(first["hooks"]) == {f"ReplicatedGrads(comm=torch.bfloat16{native})",
+                                   f"ReplicatedGrads(comm=torch.float32{native})"}
     assert all(r["params"] == first["params"] for r in ranks)
     assert first["losses"][-1] < first["losses"][0]
     ref = first["reference"]

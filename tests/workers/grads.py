@@ -266,6 +266,55 @@ def _fsdp2(case: str, rank: int) -> dict[str, Any]:
     return {"weights": weights, "masters": masters, "grads": sorted(kinds)}
 
 
+def _fsdp2_grad(case: str, rank: int) -> dict[str, Any]:
+    """torch 2.15: FSDP2 keeps a parameter's `grad_dtype`, so bf16 shards take fp32 gradients
+    without a master (`bf16-true,grad=fp32`): each micro-batch's bf16 gradient,
+    reduce-scattered in bf16 (comm), is added into the fp32 gradient shard, and the step
+    reads it. The same by hand on a whole replica: each micro-batch's bf16 gradient averaged
+    across ranks in bf16, added into fp32 sums, handed to the same plan's optimizer on a local
+    model."""
+    from torch.distributed.tensor import DTensor
+
+    from precision_annot.adapters import fsdp
+
+    spec = "bf16-true,grad=fp32"
+    model = fsdp.fully_shard(pa.apply(mlp(), default=spec))
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    local = pa.apply(mlp(), default=spec)
+    local_opt = pa.optimizer(local, torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    params = list(local.parameters())
+    world = dist.get_world_size()
+    kinds = set()
+    for step in range(3):
+        model.zero_grad()
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        for m in range(3):
+            tokens = batch(10 * step + m, rank)
+            loss_of(model, tokens).backward()
+            grads = torch.autograd.grad(loss_of(local, tokens), params, allow_unused=True)
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                wire = g.to(torch.bfloat16).div(world)
+                dist.all_reduce(wire)
+                total = sums[i]
+                sums[i] = wire.float() if total is None else total + wire.float()
+        kinds |= {f"{type(p.grad).__name__} {p.dtype} {p.grad.dtype}"
+                  for p in model.parameters()}
+        for p, total in zip(params, sums, strict=True):
+            p.grad = total
+        opt.step()
+        local_opt.step()
+        local.zero_grad()
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    weights = max(float((whole(p.detach()).float() - q.detach().float()).abs().max())
+                  for p, q in zip(model.parameters(), params, strict=True))
+    return {"weights": weights, "grads": sorted(kinds)}
+
+
 def _fsdp2_no_sync(case: str, rank: int) -> dict[str, Any]:
     """FSDP2 with `set_requires_gradient_sync(False)` on the first two of three micro-batches:
     the dtype FSDP2 keeps their unsharded sum in (its reduce dtype, the plan's comm), read off
@@ -329,7 +378,7 @@ def main() -> None:
     rank = dist.get_rank()
     for case in cases:
         run: Callable[[str, int], dict[str, Any]] = {
-            "misconfigured": _misconfigured, "fsdp2": _fsdp2,
+            "misconfigured": _misconfigured, "fsdp2": _fsdp2, "fsdp2_grad": _fsdp2_grad,
             "fsdp2_no_sync": _fsdp2_no_sync}.get(case, _ddp_loop)
         (outdir / f"{case}-rank{rank}.json").write_text(json.dumps(run(case, rank)))
     leave()

@@ -394,6 +394,8 @@ def fsdp_tp(mesh2: DeviceMesh, args: list[str]) -> dict[str, Any]:
         out["ours" if ours else "torch"] = sorted({
             (op, d) for op, d, n in log.calls if n == norm and op.startswith("all_reduce")})
     model = build(True)
+    out["hooks"] = sorted(repr(h) for m in model.modules() for h in m._forward_pre_hooks.values()
+                          if type(h).__name__ == "ReplicatedGrads")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(3):

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from precision_annot._src import seams
 from precision_annot._src.check_backend import LOOP_KEYS, CheckBackend, Checked
-from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.dtypes import dtype_name, widest
 from precision_annot._src.findings import Finding, drift, listing
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan, TensorInfo
@@ -42,18 +43,32 @@ from precision_annot.adapters.fsdp.export import (
 __all__ = ["FSDP1_CHECKS", "FSDP2_CHECKS", "FSDPChecks", "findings", "reduced", "sharded_units"]
 
 
-def reduced(plan: PrecisionPlan, names: list[str]) -> dict[str, torch.dtype]:
+def reduced(plan: PrecisionPlan, names: list[str], *, fsdp1: bool = False,
+            keep_dtype_in_unit: bool = False) -> dict[str, torch.dtype]:
     """What FSDP reduces each parameter-holding module's gradients in, sharded into the units
     `names` (as `unit_names` gives them): its unit's reduce dtype, the widest comm of the
-    unit's members (its storage where none sets one)."""
-    return _reduced(plan_units(plan, names), plan)
+    unit's members; where none sets one, what the installed FSDP does with
+    `reduce_dtype=None` (`_default_reduce`)."""
+    units = plan_units(plan, names, keep_dtype_in_unit=keep_dtype_in_unit)
+    return _reduced(units, plan, fsdp1)
 
 
-def _reduced(units: list[Unit], plan: PrecisionPlan | None = None) -> dict[str, torch.dtype]:
+def _default_reduce(unit: Unit, plan: PrecisionPlan, fsdp1: bool) -> torch.dtype | None:
+    """What a unit with `reduce_dtype=None` reduces in: FSDP1 and FSDP2 before torch 2.15 its
+    `param_dtype` (else its storage); FSDP2 from 2.15 its parameters' `grad_dtype` (set where
+    the plan accumulates gradients wider than storage), else their storage dtype."""
+    floating = [d for d in unit.storage if d.is_floating_point]
+    stored = floating[0] if len(floating) == 1 else None
+    if fsdp1:
+        return unit.param_dtype or stored
+    grads = widest(plan[m].policy.grad for m in unit.holders if plan[m].policy.accumulates)
+    return seams.fsdp2_default_reduce(unit.param_dtype, stored, grads)
+
+
+def _reduced(units: list[Unit], plan: PrecisionPlan, fsdp1: bool) -> dict[str, torch.dtype]:
     out: dict[str, torch.dtype] = {}
     for unit in units:
-        floating = [d for d in unit.storage if d.is_floating_point]
-        dtype = unit.reduce_dtype or (floating[0] if len(floating) == 1 else None)
+        dtype = unit.reduce_dtype or _default_reduce(unit, plan, fsdp1)
         if dtype is None:
             continue
         for member in unit.holders:
@@ -77,25 +92,46 @@ def sharded_units(plan: PrecisionPlan, model: nn.Module) -> list[Unit] | None:
     (`_get_fsdp_state()._mp_policy`, no public getter) and FSDP1's `mixed_precision`."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    live: dict[str, tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]] = {}
+    live: dict[str, tuple[Any, bool, Any]] = {}  # each unit's policy, FSDP1's or not, module
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            mp = module._get_fsdp_state()._mp_policy
-            live[plan_name(name)] = (mp.param_dtype, mp.reduce_dtype, mp.output_dtype)
+            live[plan_name(name)] = (module._get_fsdp_state()._mp_policy, False, module)
         elif isinstance(module, FullyShardedDataParallel):
-            mp1 = module.mixed_precision
-            live[plan_name(name)] = (mp1.param_dtype, mp1.reduce_dtype, None)
+            live[plan_name(name)] = (module.mixed_precision, True, module)
     if not live:
         return None
     names = sorted((n for n in live if n in plan), key=lambda n: -(n.count(".") + 1 if n else 0))
     if "" not in names:
         names.append("")  # what no unit holds stays with the root, unsharded
     out = []
+    named = {id(m): plan_name(n) for n, m in model.named_modules()}
     for unit in plan_units(plan, names):
-        gather, reduce, output = live.get(unit.name, (None, None, None))
-        out.append(dataclasses.replace(unit, param_dtype=gather,
-                                       reduce_dtype=reduce or gather, output_dtype=output))
+        if unit.name not in live:
+            out.append(dataclasses.replace(unit, param_dtype=None, reduce_dtype=None,
+                                           output_dtype=None))
+            continue
+        mp, fsdp1, module = live[unit.name]
+        kept = () if fsdp1 else _kept_live(module, mp, named)
+        found = dataclasses.replace(unit, param_dtype=mp.param_dtype, reduce_dtype=None,
+                                    output_dtype=getattr(mp, "output_dtype", None), kept=kept)
+        out.append(dataclasses.replace(found, reduce_dtype=mp.reduce_dtype or _default_reduce(
+            found, plan, fsdp1)))
     return out
+
+
+def _kept_live(module: Any, mp: Any, names: dict[int, str]) -> tuple[str, ...]:
+    """The modules of a sharded FSDP2 unit whose parameters it gathers in another dtype than
+    its `param_dtype` (FSDP2's `param_dtype_override_fn`, torch 2.15).
+
+    NOTE: FSDP2 resolves the override per parameter and keeps only the result, on its private
+    parameter objects (`_fsdp_param_group.fsdp_params[i].mp_policy`); the unit's own policy
+    drops the function."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    kept: dict[str, None] = {}
+    for param in getattr(group, "fsdp_params", ()):
+        if param.mp_policy.param_dtype != mp.param_dtype:
+            kept[names.get(id(param._module_info.module), "")] = None
+    return tuple(kept)
 
 
 def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | None = None,
@@ -111,9 +147,10 @@ def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | N
     model = model if model is not None else plan.module("")
     units = None if units is None else list(units)
     live = sharded_units(plan, model) if model is not None else None
+    keep = backend == "fsdp" and seams.FSDP2_KEEPS_PARAM_DTYPE
     names = [u.name for u in live] if live is not None else unit_names(
-        plan, model, units, merge_below=merge_below)
-    shards = live if live is not None else plan_units(plan, names)
+        plan, model, units, merge_below=merge_below, keep_dtype_in_unit=keep)
+    shards = live if live is not None else plan_units(plan, names, keep_dtype_in_unit=keep)
     out = [Finding("error", "fsdp-mixed-unit", unit.name,
                    f"This FSDP unit {mixed_message(detail)} FSDP refuses it at the first "
                    "forward (\"FSDP expects uniform original parameter dtype\").", MIXED_FIX)
@@ -126,10 +163,11 @@ def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | N
     where = "FSDP2" if backend == "fsdp" else "FSDP1"
     if live is not None:
         out += _gathered(plan, live, where)
-    out += drift(plan, "comm", _reduced(shards), code="fsdp-unit-comm", backend=where,
+    out += drift(plan, "comm", _reduced(shards, plan, backend == "fsdp1"),
+                 code="fsdp-unit-comm", backend=where,
                  cause="FSDP reduces each unit's gradients in one dtype, "
-                       + ("its reduce_dtype (else its param_dtype)" if live is not None else
-                          "the widest comm of the unit's members"),
+                       + (f"its reduce_dtype (else {_default_words(backend)})"
+                          if live is not None else "the widest comm of the unit's members"),
                  fix=f"Make each of them a unit of its own: {_fix(backend)}"
                  " with units naming them, or give the unit one comm dtype.")
     if live is None:
@@ -137,12 +175,19 @@ def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | N
     return out
 
 
+def _default_words(backend: str) -> str:
+    if backend == "fsdp1" or not seams.FSDP2_REDUCES_IN_GRAD_DTYPE:
+        return "its param_dtype"
+    return "its parameters' grad_dtype or their own dtype, since torch 2.15"
+
+
 def _gathered(plan: PrecisionPlan, live: list[Unit], where: str) -> list[Finding]:
     """A sharded unit that gathers its parameters in another dtype than its members compute
     in: narrower, the members planned wider see narrow weights (an fp32 island's forward
     raises a DriftError: its parameters are no longer in their planned dtype); wider, more
     bytes are gathered than planned."""
-    actual = {m: unit.param_dtype for unit in live if unit.param_dtype is not None
+    actual = {m: (plan[m].policy.storage or unit.param_dtype) if m in unit.kept
+              else unit.param_dtype for unit in live if unit.param_dtype is not None
               for m in unit.members if plan[m].params and plan[m].policy.compute is not None}
     return drift(plan, "compute", actual, code="fsdp-param-dtype", backend=where,
                  cause="each unit gathers its parameters in its mixed-precision param_dtype, "
@@ -259,14 +304,17 @@ def _frozen_beside(plan: PrecisionPlan, unit: Unit) -> list[tuple[str, TensorInf
 def _small_units(plan: PrecisionPlan, model: nn.Module | None,
                  units: list[Selector] | None, names: list[str], backend: str,
                  latency_s: float, bandwidth: float) -> list[Finding]:
-    cost = collective_cost(plan, names, latency_s=latency_s, bandwidth=bandwidth)
+    keep = backend == "fsdp" and seams.FSDP2_KEEPS_PARAM_DTYPE
+    cost = collective_cost(plan, names, latency_s=latency_s, bandwidth=bandwidth,
+                           keep_dtype_in_unit=keep)
     total = sum(c.unit.params for c in cost.units) or 1
     small = [c for c in cost.units if c.unit.name and c.unit.params < SMALL_UNIT * total]
     if len(small) < SMALL_UNITS:
         return []
     where = "fully_shard" if backend == "fsdp" else "wrap_policy and mixed_precision"
-    merged = collective_cost(plan, unit_names(plan, model, units, merge_below=SMALL_UNIT),
-                             latency_s=latency_s, bandwidth=bandwidth)
+    merged = collective_cost(plan, unit_names(plan, model, units, merge_below=SMALL_UNIT,
+                                              keep_dtype_in_unit=keep),
+                             latency_s=latency_s, bandwidth=bandwidth, keep_dtype_in_unit=keep)
     saved = cost.collectives - merged.collectives
     trade = (f"{where}(..., merge_below={SMALL_UNIT}) makes {saved} fewer collectives per "
              f"step and moves {human_bytes(max(merged.bytes - cost.bytes, 0))} more, "
@@ -316,12 +364,14 @@ class FSDPChecks(CheckBackend):
                              "this plan holds none (it was loaded from JSON, or its model is "
                              "gone); pass the model instead of its plan.")
         found = findings(plan, self.name, model=model, **settings)
+        fsdp1 = self.name == "fsdp1"
         live = sharded_units(plan, model) if model is not None else None
         if live is not None:
-            return Checked(found, reduced(plan, [u.name for u in live]))
+            return Checked(found, _reduced(live, plan, fsdp1))
+        keep = not fsdp1 and seams.FSDP2_KEEPS_PARAM_DTYPE
         names = unit_names(plan, model, settings.get("units"),
-                           merge_below=settings.get("merge_below"))
-        return Checked(found, reduced(plan, names))
+                           merge_below=settings.get("merge_below"), keep_dtype_in_unit=keep)
+        return Checked(found, reduced(plan, names, fsdp1=fsdp1, keep_dtype_in_unit=keep))
 
 
 class FSDP2Checks(FSDPChecks):

@@ -7,6 +7,7 @@ import dataclasses
 
 import torch
 
+from precision_annot._src import seams
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot.adapters.fsdp.export import Unit, plan_units, unit_names
@@ -75,9 +76,18 @@ def _itemsize(dtype: torch.dtype | None, unit: Unit) -> int:
     return floating[0].itemsize if len(floating) == 1 else 4
 
 
+def _gathered_bytes(plan: PrecisionPlan, unit: Unit) -> int:
+    """The bytes one all-gather of the unit moves: its parameters in `param_dtype`, those it
+    keeps in their own dtype (FSDP2 then gathers the unit's bytes as uint8) in that dtype."""
+    kept = sum(plan[m].params * _itemsize(plan[m].policy.storage, unit) for m in unit.kept)
+    rest = unit.params - sum(plan[m].params for m in unit.kept)
+    return kept + rest * _itemsize(unit.param_dtype, unit)
+
+
 def collective_cost(plan: PrecisionPlan, names: list[str] | None = None, *,
                     latency_s: float = LATENCY_S, bandwidth: float = BANDWIDTH,
-                    merge_below: float | None = None) -> CollectiveCost:
+                    merge_below: float | None = None,
+                    keep_dtype_in_unit: bool | None = None) -> CollectiveCost:
     """Count the collectives one training step of `fully_shard(model, plan)` issues, and
     estimate their time with a latency-plus-bandwidth model.
 
@@ -93,6 +103,9 @@ def collective_cost(plan: PrecisionPlan, names: list[str] | None = None, *,
         latency_s: one collective's fixed cost in seconds. (Default: `LATENCY_S`, 10 us)
         bandwidth: bytes per second. (Default: `BANDWIDTH`, 100e9, one NVLink node)
         merge_below: as for `fully_shard`. (Default: None)
+        keep_dtype_in_unit: islands that compute in their storage dtype stay in the unit
+            around them, gathered in their own dtype (FSDP2 on torch 2.15 and later).
+            (Default: None, what `fully_shard` does on the installed torch)
 
     Returns:
         A `CollectiveCost`: per unit and in total.
@@ -101,13 +114,16 @@ def collective_cost(plan: PrecisionPlan, names: list[str] | None = None, *,
     if not latency_s >= 0 or not bandwidth > 0:
         raise ValueError("collective_cost: latency_s must be >= 0 and bandwidth > 0. "
                          f"Received: latency_s={latency_s!r}, bandwidth={bandwidth!r}")
-    shards = plan_units(plan, names or unit_names(plan, merge_below=merge_below))
+    keep = seams.FSDP2_KEEPS_PARAM_DTYPE if keep_dtype_in_unit is None else keep_dtype_in_unit
+    shards = plan_units(plan, names or unit_names(plan, merge_below=merge_below,
+                                                  keep_dtype_in_unit=keep),
+                        keep_dtype_in_unit=keep)
     costs = []
     for unit in shards:
         if not unit.params:
             continue
         gathers = 1 if not unit.name else 2
-        gather_bytes = unit.params * _itemsize(unit.param_dtype, unit)
+        gather_bytes = _gathered_bytes(plan, unit)
         reduce_bytes = unit.params * _itemsize(unit.reduce_dtype, unit)
         seconds = (gathers * (latency_s + gather_bytes / bandwidth)
                    + latency_s + reduce_bytes / bandwidth)

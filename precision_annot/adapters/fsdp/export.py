@@ -11,12 +11,14 @@ shard along its boundaries.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
+from precision_annot._src import seams
 from precision_annot._src.dtypes import dtype_name, widest
 from precision_annot._src.findings import listing
 from precision_annot._src.float8 import import_torchao
@@ -41,6 +43,7 @@ def unit_names(
     units: Iterable[Selector] | None = None,
     *,
     merge_below: float | None = None,
+    keep_dtype_in_unit: bool = False,
 ) -> list[str]:
     """Names of the modules to shard as units, children before parents, the root last.
 
@@ -50,8 +53,13 @@ def unit_names(
     With `merge_below`, a boundary holding less than that share of the parameters, stored in
     the dtype the unit around it is stored in, joins that unit instead: fewer collectives, but
     the unit is then gathered in the widest compute dtype among its members.
+
+    With `keep_dtype_in_unit` (FSDP2 on torch 2.15 and later, whose
+    `MixedPrecisionPolicy.param_dtype_override_fn` gathers chosen parameters in their own
+    dtype), a boundary that computes in its storage dtype (an fp32 island in a bf16-mixed
+    model) and is stored and reduced as the module around it makes no unit of its own.
     """
-    chosen = _plan_units(plan)
+    chosen = _plan_units(plan, keep_dtype_in_unit)
     selected = _selected_units(model, units)
     chosen |= selected
     if merge_below is not None:
@@ -60,18 +68,49 @@ def unit_names(
     return sorted(order, key=lambda n: -(n.count(".") + 1 if n else 0))
 
 
-def _plan_units(plan: PrecisionPlan) -> set[str]:
-    """The units the plan needs: the root, every boundary, every change of storage, and
-    every change of comm on a module that holds parameters."""
+def _plan_units(plan: PrecisionPlan, keep_dtype_in_unit: bool = False) -> set[str]:
+    """The units the plan needs: the root, every boundary (but, with `keep_dtype_in_unit`,
+    those gathered in their own storage dtype), every change of storage, and every change of
+    comm on a module that holds parameters."""
     chosen = {""}
+    tied = _tied_holders(plan) if keep_dtype_in_unit else set()
     for name, entry in plan.items():
         if not name:
             continue
-        parent = plan[parent_name(name)]
-        if (entry.boundary or entry.policy.storage != parent.policy.storage
-                or (entry.policy.comm != parent.policy.comm and entry.params)):
+        policy, parent = entry.policy, plan[parent_name(name)].policy
+        changes = (policy.storage != parent.storage
+                   or (policy.comm != parent.comm and entry.params))
+        if changes or (entry.boundary and not (keep_dtype_in_unit and _keeps(plan, name, tied))):
             chosen.add(name)
     return chosen
+
+
+def _tied_holders(plan: PrecisionPlan) -> set[str]:
+    """The modules holding a parameter another module holds too."""
+    out: set[str] = set()
+    for name, entry in plan.items():
+        for info in entry.own_params:
+            if info.tied is not None:
+                out.update((name, info.tied.rpartition(".")[0]))
+    return out
+
+
+def _keeps(plan: PrecisionPlan, name: str, tied: set[str]) -> bool:
+    """A boundary the unit around it can hold: gathered in its storage dtype or its parent's
+    compute, reduced as its parent (its members too: they inherit its comm), and holding no
+    parameter tied to a module outside it (FSDP2 gathers a tied parameter once, in one dtype:
+    such an island stays a unit of its own, which FSDP2 refuses, and `check` says so)."""
+    policy, parent = plan[name].policy, parent_name(name)
+    inside = [t for t in tied if t == name or t.startswith(f"{name}.")]
+    return (not inside and policy.grad_comm == plan[parent].policy.grad_comm
+            and _gathered_as(plan, name) in (None, policy.storage, _gathered_as(plan, parent)))
+
+
+def _gathered_as(plan: PrecisionPlan, name: str) -> torch.dtype | None:
+    """The dtype a module's parameters must be gathered in for its forward: its compute dtype
+    (None where it keeps its storage's)."""
+    compute = plan[name].policy.compute
+    return compute if isinstance(compute, torch.dtype) else None
 
 
 def selectors(units: Any, what: str) -> list[Selector]:
@@ -145,6 +184,8 @@ class Unit:
         reduce_dtype: the dtype its gradients are reduced in (None: its storage).
         output_dtype: the dtype its outputs leave in, from the plan's `output`.
         holders: the members that hold parameters.
+        kept: the holders whose parameters it gathers in their own dtype, not `param_dtype`
+            (FSDP2's `param_dtype_override_fn`, torch 2.15 and later).
     """
 
     name: str
@@ -155,26 +196,56 @@ class Unit:
     reduce_dtype: torch.dtype | None
     output_dtype: torch.dtype | None
     holders: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
 
 
-def plan_units(plan: PrecisionPlan, names: list[str]) -> list[Unit]:
+def plan_units(plan: PrecisionPlan, names: list[str], *, keep_dtype_in_unit: bool = False
+               ) -> list[Unit]:
     """The units `names` make of the plan, in the order given: who is in each, and the dtypes
-    it is gathered and reduced in (the widest its members need)."""
+    it is gathered and reduced in (the widest its members need; with `keep_dtype_in_unit`,
+    the unit's own compute, members that compute in their storage dtype kept in it)."""
     owner = nearest(plan, set(names))
     members: dict[str, list[str]] = {n: [] for n in names}
     for name in plan:
         members[owner[name] or ""].append(name)
-    return [_unit(plan, name, members[name]) for name in names]
+    return [_unit(plan, name, members[name], keep_dtype_in_unit) for name in names]
 
 
-def _unit(plan: PrecisionPlan, name: str, members: list[str]) -> Unit:
+def _kept(plan: PrecisionPlan, name: str, holders: list[str]) -> tuple[str, ...] | None:
+    """The holders a unit gathering in its own compute keeps in their storage dtype, or None
+    where one needs a third dtype (the unit is then gathered in the widest)."""
+    own = _gathered_as(plan, name)
+    kept = []
+    for m in holders:
+        needed = _gathered_as(plan, m)
+        if needed is None or needed == own:
+            continue
+        if needed != plan[m].policy.storage:
+            return None
+        kept.append(m)
+    return tuple(kept)
+
+
+def _gather(plan: PrecisionPlan, name: str, holders: list[str], keep_dtype_in_unit: bool
+            ) -> tuple[torch.dtype | None, tuple[str, ...]]:
+    """The dtype a unit gathers in and the holders it keeps in their own: its own compute with
+    the islands kept, where it may keep them; else the widest compute its holders need."""
+    kept = _kept(plan, name, holders) if keep_dtype_in_unit else None
+    if kept:
+        return plan[name].policy.compute, kept
+    return widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute, ()
+
+
+def _unit(plan: PrecisionPlan, name: str, members: list[str], keep_dtype_in_unit: bool = False
+          ) -> Unit:
     """The unit at `name` holding `members`: gathered in the widest compute its holders need
-    (None where that is its storage), reduced in the widest comm."""
+    (None where that is its storage), or in its own compute with the others kept in their
+    storage dtype; reduced in the widest comm."""
     holders = [m for m in members if plan[m].params]
     storage = frozenset(k for m in holders for k in plan[m].param_dtype_bytes)
     floating = [d for d in storage if d.is_floating_point]
     stored = floating[0] if len(floating) == 1 else plan[name].policy.storage
-    gather = widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute
+    gather, kept = _gather(plan, name, holders, keep_dtype_in_unit)
     return Unit(
         name=name,
         members=tuple(members),
@@ -185,6 +256,7 @@ def _unit(plan: PrecisionPlan, name: str, members: list[str]) -> Unit:
                       or plan[name].policy.grad_comm),
         output_dtype=plan[name].policy.output,
         holders=tuple(holders),
+        kept=kept,
     )
 
 
@@ -212,14 +284,24 @@ def mixed_message(detail: str) -> str:
             "per unit.")
 
 
-def _mp2(unit: Unit) -> MixedPrecisionPolicy:
+def _own_dtype(kept: frozenset[int], param: nn.Parameter) -> torch.dtype | None:
+    """FSDP2's `param_dtype_override_fn`: a kept parameter is gathered in its own dtype."""
+    return param.dtype if id(param) in kept else None
+
+
+def _mp2(unit: Unit, named: dict[str, nn.Module]) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    override: dict[str, Any] = {}
+    if unit.kept:
+        kept = frozenset(id(p) for m in unit.kept for p in named[m].parameters(recurse=False))
+        override["param_dtype_override_fn"] = functools.partial(_own_dtype, kept)
     return MixedPrecisionPolicy(
         param_dtype=unit.param_dtype,
         reduce_dtype=unit.reduce_dtype,
         output_dtype=unit.output_dtype,
         cast_forward_inputs=False,  # the plan's boundaries cast, honouring keep_dtype
+        **override,
     )
 
 
@@ -235,7 +317,10 @@ def fully_shard(
 
     Each unit gets `MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=comm,
     output_dtype=output, cast_forward_inputs=False)`: inputs are cast by the plan's boundaries,
-    so `keep_dtype` arguments such as rotary tables keep their dtype. A module with a master
+    so `keep_dtype` arguments such as rotary tables keep their dtype. On torch 2.15 and later
+    an island computing in its storage dtype (an fp32 norm in a bf16-mixed model) stays in the
+    unit around it, its parameters gathered in fp32 through the policy's
+    `param_dtype_override_fn`: 3 collectives a step fewer per island. A module with a master
     copy (`storage=bf16,master=fp32`) is sharded in the master's dtype and gathered in its
     storage's: the fp32 shards are the masters, and `precision_annot.optimizer` (or any
     optimizer) steps them; its `optim` states (torchao's low-bit ones included) live on the
@@ -266,24 +351,44 @@ def fully_shard(
     model = unwrap(model)
     plan = plan_of(model) if plan is None else plan
     plan, gathered = masters_as_shards(plan)
-    _refuse_wide_grads(plan)
+    if not seams.FSDP2_GRAD_DTYPE:
+        _refuse_wide_grads(plan)
     apply(model, plan)
+    keep = seams.FSDP2_KEEPS_PARAM_DTYPE
+    names = unit_names(plan, model, units, merge_below=merge_below, keep_dtype_in_unit=keep)
     shards = [dataclasses.replace(u, param_dtype=u.param_dtype or _gathered_in(u, gathered))
-              for u in plan_units(plan, unit_names(plan, model, units, merge_below=merge_below))]
+              for u in plan_units(plan, names, keep_dtype_in_unit=keep)]
     for unit, detail in mixed_units(shards, plan)[:1]:
         raise ValueError(f"FSDP unit {unit.name or '(root)'!r} {mixed_message(detail)} "
                          f"{MIXED_FIX}")
     named = dict(model.named_modules())
     for unit in shards:
-        _fully_shard(named[unit.name], mp_policy=_mp2(unit), **fully_shard_kwargs)
+        _fully_shard(named[unit.name], mp_policy=_mp2(unit, named), **fully_shard_kwargs)
+    if seams.FSDP2_TP_REDUCE_DTYPE:
+        _native_tp_reduction(shards, named)
     return model
 
 
+def _native_tp_reduction(shards: list[Unit], named: dict[str, nn.Module]) -> None:
+    """From torch 2.15 FSDP2 all-reduces a tensor-parallel replicated parameter's partial
+    gradient in its unit's reduce dtype: where that is the module's planned comm, the hook
+    `adapters.tp.parallelize_module` put there to do it is turned off."""
+    import sys
+
+    grads = sys.modules.get("precision_annot.adapters.tp.grads")
+    if grads is None:  # nothing was parallelized
+        return
+    for unit in shards:
+        for member in unit.members:
+            grads.leave_to_fsdp2(named[member], unit.reduce_dtype)
+
+
 def _refuse_wide_grads(plan: PrecisionPlan) -> None:
-    """FSDP2 keeps each gradient shard in its parameter shard's dtype (and accumulates the
-    unsharded gradients of `set_requires_gradient_sync(False)` micro-batches in the unit's
-    reduce dtype): a `grad` wider than the shards cannot be kept. With a master it is: the
-    shards are then the fp32 masters and their gradients fp32."""
+    """FSDP2 before torch 2.15 keeps each gradient shard in its parameter shard's dtype (and
+    accumulates the unsharded gradients of `set_requires_gradient_sync(False)` micro-batches
+    in the unit's reduce dtype): a `grad` wider than the shards cannot be kept. With a master
+    it is: the shards are then the fp32 masters and their gradients fp32. From 2.15 FSDP2
+    keeps each parameter's `grad_dtype`, which `apply` sets."""
     wide = [n for n, e in plan.items() if e.params and e.policy.accumulates]
     if wide:
         policy = plan[wide[0]].policy

@@ -135,6 +135,24 @@ def _refuse_bad_precision(precision: Any) -> None:
         raise ValueError(f"check: config 'precision' is one Lightning refuses: {e}") from e
 
 
+def _strategy_precision(strategy: object) -> Any:
+    """The precision plugin set on a strategy instance (the Trainer's `precision_plugin`,
+    Fabric's `precision`), or None where none was set: both then hand a new default
+    `Precision()`, which is Lightning's choice, not the user's."""
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.fabric.strategies.strategy import Strategy as FabricStrategy
+    from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
+    from lightning.pytorch.strategies import Strategy as TrainerStrategy
+
+    if isinstance(strategy, TrainerStrategy):
+        plugin: Any = strategy.precision_plugin
+    elif isinstance(strategy, FabricStrategy):
+        plugin = strategy.precision
+    else:
+        return None
+    return None if type(plugin) in (TrainerPrecision, FabricPrecision) else plugin
+
+
 def _is_precision(plugin: object) -> bool:
     """A precision plugin of any kind, Lightning's or ours."""
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
@@ -311,7 +329,7 @@ def reduced(plan: PrecisionPlan, config: Mapping[str, Any] | None
     plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     strategy = config.get("strategy", "auto")
     kind, settings = _strategy_kind(strategy)
-    ours = [p for p in [*plugins, getattr(strategy, "_precision_plugin", None)] if _is_ours(p)]
+    ours = [p for p in [*plugins, _strategy_precision(strategy)] if _is_ours(p)]
     if kind != "ddp":
         return _reduced_elsewhere(plan, kind, settings, config)
     stored = _stored(plan)
@@ -327,7 +345,7 @@ def _reduced_elsewhere(plan: PrecisionPlan, kind: str, settings: dict[str, Any],
     """`reduced` for a strategy other than DDP: FSDP's units, DeepSpeed's engine, or one
     process (nothing reduced; None when the device count is not known here)."""
     if kind == "fsdp":
-        return fsdp.reduced(plan, fsdp.unit_names(plan))
+        return fsdp.reduced(plan, fsdp.unit_names(plan), fsdp1=True)  # Lightning wraps FSDP1
     if kind == "deepspeed":
         dsp = deepspeed.translate(plan, warn=False)
         found, stage = deepspeed.given_config(dsp, settings["config"])
@@ -357,7 +375,7 @@ def findings(plan: PrecisionPlan, config: Mapping[str, Any] | None, *,
     plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
     _refuse_unknown(config, plugins)
     strategy = config.get("strategy", "auto")
-    strategy_plugin = getattr(strategy, "_precision_plugin", None)
+    strategy_plugin = _strategy_precision(strategy)
     kind, settings = _strategy_kind(strategy)  # first: a misspelled name is bad input
     ours = [p for p in [*plugins, strategy_plugin] if _is_ours(p)]
     if not ours:

@@ -2,11 +2,14 @@
 
 A parameter replicated over the TP mesh (a norm's weight under `SequenceParallel`, the bias of
 a row-parallel Linear whose output is sequence-sharded, a router) receives a gradient that is a
-partial sum on each rank. DTensor (or FSDP2, reading the gradient of its unsharded parameter)
-all-reduces it in the gradient's own dtype, which under FSDP2 is its `param_dtype` (bf16):
-FSDP2's `reduce_dtype` does not reach this all-reduce (PyTorch issue 190626). Here the partial
-gradient is reduced in the module's planned `comm` as it arrives, before it is accumulated,
-and handed on replicated, so nothing downstream reduces it again.
+partial sum on each rank. DTensor (or FSDP2 before torch 2.15, reading the gradient of its
+unsharded parameter) all-reduces it in the gradient's own dtype, which under FSDP2 is its
+`param_dtype` (bf16): FSDP2's `reduce_dtype` does not reach this all-reduce (PyTorch issue
+190626, fixed in torch 2.15, where FSDP2 accumulates such a gradient in its reduce dtype and
+all-reduces it there). Here the partial gradient is reduced in the module's planned `comm` as
+it arrives, before it is accumulated, and handed on replicated, so nothing downstream reduces
+it again; `adapters.fsdp.fully_shard` turns this off (`native`) where the installed FSDP2
+reduces it in that dtype itself, which also spares the rounding back to the gradient's dtype.
 """
 
 from __future__ import annotations
@@ -44,14 +47,19 @@ class ReplicatedGrads:
 
     Args:
         comm: the dtype to reduce the partial gradients in.
+
+    Attributes:
+        native: set when FSDP2 reduces these gradients in `comm` itself (torch 2.15): the hook
+            then hooks nothing more.
     """
 
     def __init__(self, comm: torch.dtype) -> None:
         self.comm = comm
+        self.native = False
         self.hooked: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # hooked eagerly: at parallelize_module, or before
+        if self.native or torch.compiler.is_compiling():  # compiled: hooked eagerly before
             return
         self.hook(module)
 
@@ -66,7 +74,18 @@ class ReplicatedGrads:
                 self.hooked[param] = True
 
     def __repr__(self) -> str:
-        return f"ReplicatedGrads(comm={self.comm})"
+        return f"ReplicatedGrads(comm={self.comm}{', native' if self.native else ''})"
+
+
+def leave_to_fsdp2(module: nn.Module, reduce_dtype: torch.dtype | None) -> None:
+    """Turn off the `ReplicatedGrads` hook of a module FSDP2 shards into a unit reducing in
+    `reduce_dtype`, where the installed FSDP2 all-reduces the module's partial gradients in
+    that dtype itself (torch 2.15) and it is the hook's `comm`.
+
+    NOTE: nn.Module has no public way to list its hooks; `_forward_pre_hooks` is only read."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, ReplicatedGrads) and hook.comm == reduce_dtype:
+            hook.native = True
 
 
 def replicated(module: nn.Module) -> bool:
