@@ -121,10 +121,14 @@ class TensorInfo:
 @dataclasses.dataclass(frozen=True)
 class ModuleFacts:
     """What `resolve` saw of one module that a plan needs to be checked without the model:
-    its traits (`TRAITS`) and its own tensors."""
+    its traits (`TRAITS`), its own tensors, and the lists of submodule names a Hugging Face
+    model keeps in fp32 (`_keep_in_fp32_modules` and `_keep_in_fp32_modules_strict`, which
+    DeepSpeed's `keep_in_fp32_modules: "auto"` reads)."""
 
     traits: frozenset[str] = frozenset()
     tensors: tuple[TensorInfo, ...] = ()
+    keep_in_fp32: tuple[str, ...] = ()
+    keep_in_fp32_strict: tuple[str, ...] = ()
 
     @property
     def params(self) -> tuple[TensorInfo, ...]:
@@ -134,7 +138,12 @@ class ModuleFacts:
         return next((t for t in self.tensors if t.name == name), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"traits": sorted(self.traits), "tensors": [t.to_dict() for t in self.tensors]}
+        out: dict[str, Any] = {"traits": sorted(self.traits),
+                               "tensors": [t.to_dict() for t in self.tensors]}
+        for key in ("keep_in_fp32", "keep_in_fp32_strict"):
+            if getattr(self, key):
+                out[key] = list(getattr(self, key))
+        return out
 
     @classmethod
     def from_dict(cls, data: object, where: str) -> ModuleFacts:
@@ -145,9 +154,16 @@ class ModuleFacts:
         unknown = [t for t in data.get("traits", []) if t not in TRAITS]
         if unknown:
             raise ValueError(f"{where}: unknown trait {unknown[0]!r}; valid: {list(TRAITS)}")
+        lists = {}
+        for key in ("keep_in_fp32", "keep_in_fp32_strict"):
+            names = data.get(key, [])
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise ValueError(f"{where}: '{key}' must be a list of module names. "
+                                 f"Received: {names!r}")
+            lists[key] = tuple(names)
         return cls(frozenset(data.get("traits", [])),
                    tuple(TensorInfo.from_dict(t, f"{where}.tensors[{i}]")
-                         for i, t in enumerate(data.get("tensors", []))))
+                         for i, t in enumerate(data.get("tensors", []))), **lists)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,7 +170,16 @@ def module_facts(module: nn.Module, name: str, storage: torch.dtype | None,
             dtype = storage if storage is not None and persistent else b.dtype
             infos.append(TensorInfo(bname, tuple(b.shape), dtype, buffer=True,
                                     trainable=False, persistent=persistent))
-    return ModuleFacts(_traits(module, plain_class(module)), tuple(infos))
+    return ModuleFacts(_traits(module, plain_class(module)), tuple(infos),
+                       _hf_names(module, "_keep_in_fp32_modules"),
+                       _hf_names(module, "_keep_in_fp32_modules_strict"))
+
+
+def _hf_names(module: nn.Module, attribute: str) -> tuple[str, ...]:
+    """A Hugging Face model's list of module names (`_keep_in_fp32_modules`), sorted; () for
+    other modules."""
+    found = getattr(module, attribute, None)
+    return tuple(sorted(str(n) for n in found)) if isinstance(found, (list, tuple, set)) else ()
 
 
 def capture(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> PrecisionPlan:
@@ -195,8 +204,8 @@ def _traits(module: nn.Module, cls: type[nn.Module]) -> frozenset[str]:
         traits.append("embedding")
     if isinstance(module, nn.MultiheadAttention):
         traits.append("multihead-attention")
-    if isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats \
-            and module.running_mean is not None:
+    if getattr(module, "track_running_stats", False) and isinstance(
+            getattr(module, "running_mean", None), torch.Tensor):  # BatchNorm*, InstanceNorm*
         traits.append("running-stats")
     return frozenset(traits)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -525,3 +527,215 @@ def test_check_says_what_deepspeed_cannot_do_with_the_update_half() -> None:
     assert "needs ZeRO stage 1-3" in zero0["deepspeed-update"].message
     assert "deepspeed-update" not in codes("bf16-master")  # what DeepSpeed does
     assert "deepspeed-update" not in codes("bf16-true")
+
+
+# -- buffers: data_types.keep_in_fp32_modules -----------------------------------------------------
+
+class Scaled(nn.Module):
+    """A module holding only buffers: a persistent `scale` and a non-persistent `table`."""
+
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["table"]  # under its own name
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("table", torch.linspace(0, 1, 4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.table.to(x.dtype)
+
+
+class Listed(nn.Module):
+    """Declares both Hugging Face lists, as a transformers model class does."""
+
+    _keep_in_fp32_modules: ClassVar[list[str]] = ["1.scale"]  # fp16 only
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["bias_*"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("bias_a", torch.zeros(4))
+        self.register_buffer("bias_b", torch.zeros(4), persistent=False)
+        self.inner = nn.Sequential(nn.Linear(4, 4), Scaled())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.inner(self.lin(x) + self.bias_a + self.bias_b)
+        return out
+
+
+def deepspeed_keeps(model: nn.Module, setting: Any, low: torch.dtype) -> set[str]:
+    """The buffers DeepSpeed's own code keeps in fp32 for this setting."""
+    from deepspeed.runtime.keep_in_fp32 import buffers_to_keep_in_fp32, keep_in_fp32_pattern
+
+    pattern = keep_in_fp32_pattern(model, setting, low)
+    kept = {id(b) for b in buffers_to_keep_in_fp32(model, pattern)} if pattern else set()
+    return {n for n, b in model.named_buffers() if id(b) in kept}
+
+
+def test_keep_in_fp32_modules_is_read_as_deepspeed_reads_it() -> None:
+    """The buffers the check says DeepSpeed keeps in fp32 are the ones DeepSpeed's own
+    matching keeps, for "auto" (each module's lists under its name; the fp16-only list under
+    fp16 only), lists of patterns and [], with the model here and with only its plan file."""
+    from precision_annot import PrecisionPlan
+    from precision_annot.adapters.deepspeed import buffers
+    from precision_annot.adapters.deepspeed import export as ds_export
+    from tests.workers.deepspeed import deepseek_v3
+
+    def ours(plan: PrecisionPlan, setting: Any, low: torch.dtype) -> set[str]:
+        config = {"bf16" if low == bf16 else "fp16": {"enabled": True},
+                  "data_types": {"keep_in_fp32_modules": setting}}
+        patterns = buffers.keep_patterns(plan, setting, low)
+        assert ds_export.section_dtype(config) == low
+        return {n for n in buffers.planned_buffers(plan)
+                if patterns and re.search("|".join(patterns), n)}
+
+    for model in (Listed(), deepseek_v3()):
+        plan = resolve(model, default="bf16-true")
+        loaded = PrecisionPlan.from_json(plan.to_json())  # no model: the classes' lists
+        for setting in ("auto", [], ["bias_*"], ["inv_freq", "scale"], ["^inner\\.1\\."],
+                        buffers.exact_patterns(["inner.1.scale"])):
+            for low in (bf16, fp16):
+                theirs = deepspeed_keeps(model, setting, low)
+                assert ours(plan, setting, low) == theirs, (type(model), setting, low)
+                assert ours(loaded, setting, low) == theirs, (type(model), setting, low)
+    listed = Listed()
+    assert deepspeed_keeps(listed, "auto", bf16) == {"bias_a", "bias_b", "inner.1.table"}
+    assert deepspeed_keeps(listed, "auto", fp16) == {"bias_a", "bias_b", "inner.1.table",
+                                                     "inner.1.scale"}
+    assert deepspeed_keeps(deepseek_v3(), "auto", bf16) == {
+        "model.layers.1.mlp.gate.e_score_correction_bias"}
+
+
+def test_a_plan_file_of_a_class_that_cannot_be_imported_keeps_its_fp32_lists() -> None:
+    """A plan saves the Hugging Face lists it saw, so a plan read from JSON whose model class
+    was defined in a script (no import path) says what "auto" keeps as the model does."""
+    from precision_annot import PrecisionPlan
+    from precision_annot.adapters.deepspeed import buffers
+
+    class Local(Listed):  # defined here: `resolve` records it, nothing can import it again
+        _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["bias_b"]
+
+    model = Local()
+    loaded = PrecisionPlan.from_json(resolve(model, default="bf16-true").to_json())
+    assert loaded.module("") is None
+    for low in (bf16, fp16):
+        assert buffers.kept_by(loaded, "auto", low) == deepspeed_keeps(model, "auto", low)
+    assert buffers.kept_by(loaded, "auto", bf16) == {"bias_b", "inner.1.table"}  # not bias_a
+
+
+def test_to_config_keeps_the_buffers_the_plan_keeps_in_fp32() -> None:
+    from tests.workers.deepspeed import deepseek_v3
+
+    rotary = ["^model\\.rotary_emb\\.inv_freq$", "^model\\.rotary_emb\\.original_inv_freq$"]
+    plan = resolve(deepseek_v3(), default="bf16-true")
+    config, caught = export(plan)
+    assert config["bf16"] == {"enabled": True} and not caught
+    # "auto" would keep the router's bias (planned bf16) in fp32; the plan keeps the rotary
+    # tables (built in fp32, not in the state dict) in fp32
+    assert config["data_types"] == {"keep_in_fp32_modules": rotary}
+    for given in ("auto", None):
+        data = {"keep_in_fp32_modules": given} if given else {}
+        config, _ = export(plan, {**BASE, "data_types": {**data, "grad_accum_dtype": "fp32"}})
+        assert config["data_types"] == {"keep_in_fp32_modules": rotary, "grad_accum_dtype": "fp32"}
+    config, _ = export(plan, {**BASE, "data_types": {"buffer_dtype": "bf16"}})
+    assert config["data_types"] == {"buffer_dtype": "bf16", "keep_in_fp32_modules": rotary}
+    # a value of the base's own that holds every buffer as planned is kept
+    for same in (["inv_freq"], [], ["rotary_emb"]):
+        config, _ = export(plan, {**BASE, "data_types": {"keep_in_fp32_modules": same}})
+        assert config["data_types"] == {"keep_in_fp32_modules": same}
+    with pytest.raises(ValueError, match=r"contradicts the plan at data_types.keep_in_fp32_modules:"
+                                         r" the base has \['e_score_correction_bias'\]"):
+        dsa.to_config(plan, {**BASE, "data_types": {
+            "keep_in_fp32_modules": ["e_score_correction_bias"]}})
+    with pytest.raises(ValueError, match=r"contradicts the plan at data_types.keep_in_fp32_modules"
+                                         r".*'model.rotary_emb.inv_freq' in fp32"):
+        dsa.to_config(plan, {**BASE, "data_types": {"buffer_dtype": "bf16",
+                                                    "keep_in_fp32_modules": []}})
+    with pytest.raises(ValueError, match=r"contradicts the plan at data_types.buffer_dtype: the "
+                                         r"base has 'fp32'.*gate.e_score_correction_bias' in bf16"):
+        dsa.to_config(plan, {**BASE, "data_types": {"buffer_dtype": "fp32"}})
+    with pytest.raises(ValueError, match=r"DeepSpeed refuses data_types.keep_in_fp32_modules=None"):
+        dsa.to_config(plan, {**BASE, "data_types": {"keep_in_fp32_modules": None}})
+    with pytest.raises(Exception, match="must be \"auto\" or a list"):  # as DeepSpeed says it
+        DeepSpeedConfig({**BASE, "data_types": {"keep_in_fp32_modules": None}})
+    # nothing to say: no buffer, or "auto" keeps what the plan keeps, or no bf16/fp16 section
+    assert "data_types" not in export(resolve(nn.Linear(4, 4), default="bf16"))[0]
+    only = nn.Sequential(nn.Linear(4, 4), Scaled())  # "auto" keeps its fp32 table: as planned
+    assert "data_types" not in export(resolve(only, default="bf16-true"))[0]
+    kept = nn.Sequential(nn.Linear(4, 4), precision(storage=fp32)(Scaled()))
+    config, _ = export(resolve(kept, default="bf16-true"))
+    assert config["data_types"] == {"keep_in_fp32_modules": ["^1\\.scale$", "^1\\.table$"]}
+    mixed = resolve(nn.Sequential(nn.Linear(4, 4), Scaled()), default="bf16-mixed")
+    assert "data_types" not in export(mixed)[0]
+
+
+def test_keep_in_fp32_modules_is_left_alone_for_a_deepspeed_that_does_not_read_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read since DeepSpeed 0.19.8: for an older release the key is neither written nor
+    checked. Patched: only the version the adapter reads."""
+    from precision_annot.adapters.deepspeed import export as ds_export
+    from tests.workers.deepspeed import deepseek_v3
+
+    plan = resolve(deepseek_v3(), default="bf16-true")
+    hand = {**BASE, "bf16": {"enabled": True}}
+    assert [f.code for f in check(plan, "deepspeed", hand)].count("deepspeed-buffers") == 1
+    monkeypatch.setattr(ds_export, "deepspeed_version", lambda: "0.19.7")
+    assert not ds_export.reads_keep_in_fp32()
+    assert "data_types" not in dsa.to_config(plan, BASE)
+    assert "deepspeed-buffers" not in [f.code for f in check(plan, "deepspeed", hand)]
+    monkeypatch.setattr(ds_export, "deepspeed_version", lambda: "0.19.8")
+    assert "data_types" in dsa.to_config(plan, BASE)
+    monkeypatch.setattr(ds_export, "deepspeed_version", lambda: "unknown")  # not installed here
+    assert "data_types" in dsa.to_config(plan, BASE)
+
+
+#: the buffers of tests/workers/deepspeed.py's DeepSeek-V3
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+TABLES = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
+
+
+def test_check_says_what_deepspeed_does_to_buffers_as_two_ranks_measure(tmp_path: Path) -> None:
+    """A "bf16-true" DeepSeek-V3 (router bias planned bf16, rotary tables fp32) under
+    DeepSpeed's bf16 section on 2 ranks, ZeRO 0-3, with each config of `BUFFER_CASES`: the
+    dtypes its buffers have after initialize and after two steps are what `check` says, narrowed
+    (an error) and widened (a warning) alike, with the model and with its plan file alone."""
+    from precision_annot import PrecisionPlan
+    from precision_annot._src.dtypes import dtype_from_name
+    from precision_annot.adapters.deepspeed.export import buffer_dtypes
+    from tests.workers.deepspeed import BUFFER_CASES, deepseek_v3
+
+    deepspeed_op_built()
+    stages = [0, 1, 2, 3]
+    launch("tests.workers.deepspeed", "buffers", ",".join(map(str, stages)), str(tmp_path),
+           ranks=2, timeout=540)
+    expected = {"hand-auto": ({BIAS}, set()), "hand-buffer-dtype": (set(), TABLES),
+                "hand-auto-buffer-dtype": ({BIAS}, TABLES),
+                "exported": (set(), set()), "exported-buffer-dtype": (set(), set())}
+    live = resolve(deepseek_v3(), default="bf16-true")
+    for case in BUFFER_CASES:
+        for stage in stages:
+            for rank in (0, 1):
+                r = json.loads((tmp_path / f"buffers-{case}-stage{stage}-rank{rank}.json")
+                               .read_text())
+                planned, seen = r["prepared"], r["initialized"]
+                assert r["stepped"] == seen and len(seen) == 3
+                widened = {n for n in seen if planned[n] == "bf16" and seen[n] == "fp32"}
+                narrowed = {n for n in seen if planned[n] == "fp32" and seen[n] == "bf16"}
+                assert (widened, narrowed) == expected[case], (case, stage, seen)
+                assert set(r["rounded"]) == narrowed  # widening is exact, narrowing rounds
+                assert r["drift_warned"] == bool(widened or narrowed)
+                assert all(math.isfinite(x) for x in r["losses"])
+                for plan in (PrecisionPlan.from_json(r["plan"]), live):
+                    said = buffer_dtypes(plan, r["config"])
+                    assert {n: dtype_from_name(d) for n, d in seen.items()} == said
+                    found = {f.severity: f for f in check(plan, "deepspeed", r["config"])
+                             if f.code == "deepspeed-buffers"}
+                    assert set(found) == {s for s, names in (("warning", widened),
+                                                             ("error", narrowed)) if names}
+                    if narrowed:
+                        assert found["error"].modules == ("model.rotary_emb",)
+                        assert "planned fp32, bf16 instead" in found["error"].message
+                    if widened:
+                        assert found["warning"].modules == ("model.layers.1.mlp.gate",)
+                        assert "planned bf16, fp32 instead" in found["warning"].message
+                        assert '"auto" (DeepSpeed\'s default)' in found["warning"].message

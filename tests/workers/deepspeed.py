@@ -3,7 +3,9 @@
 `python -m tests.workers.deepspeed MODE STAGES OUTDIR` for one rank, or under
 `torch.distributed.run ... -m tests.workers.deepspeed` for two; MODE is "train" (bf16 layers and
 an fp32 island) or "fp16" (with an overflow step), STAGES like "0,1,2,3". Each rank writes
-OUTDIR/<mode>-stage<S>-rank<R>.json with what it observed.
+OUTDIR/<mode>-stage<S>-rank<R>.json with what it observed. MODE "update" runs the update
+layouts under ZeRO-2, and "buffers" a DeepSeek-V3's buffers under the configs of
+`BUFFER_CASES` (OUTDIR/buffers-<case>-stage<S>-rank<R>.json).
 """
 
 from __future__ import annotations
@@ -176,6 +178,80 @@ def run_update(layout: str, rank: int) -> dict[str, Any]:
     return out
 
 
+def deepseek_v3() -> nn.Module:
+    """A tiny Hugging Face DeepSeek-V3: its second layer's router holds the
+    `e_score_correction_bias` buffer the class lists in `_keep_in_fp32_modules_strict`, and its
+    rotary embedding the fp32 `inv_freq` tables (non-persistent: the plan keeps them fp32)."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1, topk_group=1,
+        max_position_embeddings=64)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+#: the configs a "bf16-true" DeepSeek-V3 is started with in "buffers" mode: by hand as a user
+#: would write them (DeepSpeed's own keep_in_fp32_modules reading), or through to_config
+BUFFER_CASES: dict[str, tuple[bool, dict[str, Any]]] = {
+    "hand-auto": (False, {"bf16": {"enabled": True}}),
+    "exported": (True, {}),
+    "hand-buffer-dtype": (False, {"bf16": {"enabled": True},
+                                  "data_types": {"buffer_dtype": "bf16",
+                                                 "keep_in_fp32_modules": []}}),
+    "hand-auto-buffer-dtype": (False, {"bf16": {"enabled": True},
+                                       "data_types": {"buffer_dtype": "bf16"}}),
+    "exported-buffer-dtype": (True, {"data_types": {"buffer_dtype": "bf16"}}),
+}
+
+
+def buffer_dtypes(net: nn.Module) -> dict[str, str]:
+    return {n: dtype_name(b.dtype) for n, b in net.named_buffers() if b.is_floating_point()}
+
+
+def run_buffers(case: str, stage: int, rank: int) -> dict[str, Any]:
+    """A "bf16-true" DeepSeek-V3 under DeepSpeed's bf16 section at `stage`, with a config of
+    `BUFFER_CASES`: the dtypes its buffers really have after `prepare`, after `initialize` and
+    after two steps."""
+    import deepspeed
+
+    exported, extra = BUFFER_CASES[case]
+    torch.manual_seed(0)
+    net = deepseek_v3()
+    plan = resolve(net, default="bf16-true")
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10_000, **extra}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = ds_adapter.to_config(plan, base) if exported else base
+        ds_adapter.prepare(net, plan)
+    prepared = buffer_dtypes(net)
+    values = {n: b.detach().clone().double() for n, b in net.named_buffers()
+              if b.is_floating_point()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = deepspeed.initialize(
+            model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.05), config=config)
+    initialized = buffer_dtypes(net)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(100 + rank))
+    losses = []
+    for _ in range(2):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {"config": config, "plan": plan.to_json(), "prepared": prepared,
+           "initialized": initialized, "stepped": buffer_dtypes(net), "losses": losses,
+           "rounded": sorted(n for n, b in net.named_buffers()
+                             if n in values and not torch.equal(b.double(), values[n])),
+           "drift_warned": any("away from the plan" in str(w.message) for w in caught)}
+    engine.destroy()
+    return out
+
+
 def main() -> None:
     mode, stages, outdir = sys.argv[1], [int(s) for s in sys.argv[2].split(",")], Path(sys.argv[3])
     import deepspeed
@@ -186,6 +262,12 @@ def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    if mode == "buffers":
+        for stage in stages:
+            for case in BUFFER_CASES:
+                (outdir / f"buffers-{case}-stage{stage}-rank{rank}.json").write_text(
+                    json.dumps(run_buffers(case, stage, rank)))
+        leave()
     if mode == "update":
         for layout in [*UPDATES, *HAND_WRITTEN]:
             (outdir / f"update-{layout}-rank{rank}.json").write_text(

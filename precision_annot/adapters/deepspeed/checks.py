@@ -3,7 +3,9 @@
 Worked out by the same code that exports the config (`export.translate`, `to_config`,
 `prepare`), and from what DeepSpeed 0.19 does with a config: ZeRO 0 reduces every gradient in
 one dtype; without torch_autocast ZeRO 1-3 do too; with it, each parameter reduces in its
-`comm_dtype`. `CHECKS` is the backend `check(..., "deepspeed", config)` asks.
+`comm_dtype`; under its bf16 or fp16 section, `data_types.keep_in_fp32_modules` (0.19.8 and
+later) decides which buffers it holds in fp32 (`buffers.py`). `CHECKS` is the backend
+`check(..., "deepspeed", config)` asks.
 """
 
 from __future__ import annotations
@@ -14,29 +16,40 @@ import importlib
 import re
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from precision_annot._src.check_backend import CheckBackend, Checked
-from precision_annot._src.dtypes import bf16, fp16, fp32
+from precision_annot._src.dtypes import LOW_PRECISION, bf16, dtype_name, fp16, fp32, wider
 from precision_annot._src.findings import Finding, drift, listing
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.runtime import Subject, subject
+from precision_annot.adapters.deepspeed.buffers import (
+    AUTO,
+    KEEP_IN_FP32,
+    exact_patterns,
+    planned_buffers,
+)
 from precision_annot.adapters.deepspeed.export import (
     FP16_ZERO_FIX,
     PRECISION_SECTIONS,
     BaseConfig,
     DeepSpeedPlan,
+    buffer_dtypes,
     config_dtype,
     config_flag,
     config_section,
     fp16_zero_refusal,
+    keep_refusal,
+    keep_setting,
     load_base,
     mixed_storage_message,
     param_entries,
+    reads_keep_in_fp32,
     safe_classes,
+    section_dtype,
     static_loss_scale,
     to_config,
     translate,
@@ -44,8 +57,8 @@ from precision_annot.adapters.deepspeed.export import (
     zero_stage,
 )
 
-__all__ = ["CHECKS", "DEFAULT_SAFE_MODULES", "DeepSpeedChecks", "findings", "given_config",
-           "known_keys", "read_config", "reduced", "refused", "unresolved_auto"]
+__all__ = ["CHECKS", "DEFAULT_SAFE_MODULES", "DeepSpeedChecks", "buffer_findings", "findings",
+           "given_config", "known_keys", "read_config", "reduced", "refused", "unresolved_auto"]
 
 
 #: the classes DeepSpeed's torch_autocast tags with the autocast dtype when its config lists none
@@ -145,6 +158,7 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
     out += drift(plan, "comm", actual, code="deepspeed-zero0-comm" if stage == 0 else
                  "deepspeed-comm", backend="DeepSpeed", cause=cause, fix=fix)
     out += _advice(dsp, config, stage)
+    out += buffer_findings(dsp.plan, config)
     out += _misspelt(config)
     return out
 
@@ -176,6 +190,12 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
             f"Give {', '.join(keys)} values, or launch through transformers' Trainer or "
             "Accelerate, which fill them; to_config(plan, config) fills the precision keys "
             "only.")
+    keep = keep_refusal(config)
+    if keep is not None:
+        yield Finding(
+            "error", "deepspeed-config", "", f"{_REFUSES} {keep}.",
+            f"Leave data_types.{KEEP_IN_FP32} out, or give \"auto\" or a list of name "
+            "patterns; to_config(plan, config) fills it from the plan.")
     _, cannot, modules = update_half(dsp, stage)
     if cannot is not None:
         yield Finding(
@@ -201,7 +221,7 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                to_config(dsp, _without_update_keys(config))  # those: _update_layout's
+                to_config(dsp, _without_compared_keys(config))  # those: their own findings
         except (TypeError, ValueError) as e:
             yield Finding("error", "deepspeed-config", "",
                           f"{str(e).rstrip('.')}. {_CONSEQUENCE}.",
@@ -216,14 +236,18 @@ _STATES = "{}_optimizer_states"
 _LOW = {"bf16": bf16, "fp16": fp16}
 
 
-def _without_update_keys(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` less the keys that say where DeepSpeed keeps masters and optimizer states:
-    `_update_layout` compares those with the plan itself."""
+def _without_compared_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` less the keys that have findings of their own: where DeepSpeed keeps masters
+    and optimizer states (`_update_layout`), and which buffers it keeps in fp32 or casts
+    (`buffer_findings`)."""
     out = copy.deepcopy(config)
     for section in _LOW:
         if isinstance(out.get(section), dict):
             for key in (_MASTERS.format(section), _STATES.format(section)):
                 out[section].pop(key, None)
+    if isinstance(out.get("data_types"), dict):
+        for key in (KEEP_IN_FP32, "buffer_dtype"):
+            out["data_types"].pop(key, None)
     return out
 
 
@@ -338,6 +362,81 @@ def _states_finding(plan: PrecisionPlan, names: tuple[str, ...], section: str,
                    f"DeepSpeed keeps {section} optimizer state ({key}: true), where the plan "
                    f"keeps it wider for {listing(list(names))}: the moments lose bits.",
                    f"Set {key} to false.", names)
+
+
+# -- buffers: data_types.keep_in_fp32_modules --------------------------------------------------
+
+def _buffers_cause(config: dict[str, Any], low: torch.dtype) -> str:
+    """What in the config decides the buffers' dtypes, in DeepSpeed's words."""
+    data = config_section(config, "data_types")
+    setting = keep_setting(config)
+    if setting == AUTO:
+        lists = "_keep_in_fp32_modules_strict" + (
+            " and _keep_in_fp32_modules" if low == fp16 else "")
+        how = "as given" if KEEP_IN_FP32 in data else "DeepSpeed's default"
+        said = (f"data_types.{KEEP_IN_FP32} is \"auto\" ({how}), which keeps in fp32 the "
+                f"buffers the model's own {lists} name")
+    else:
+        said = (f"data_types.{KEEP_IN_FP32} is {setting!r}, which keeps in fp32 the buffers "
+                "whose names it matches")
+    if data.get("buffer_dtype") is not None:
+        said += f", and data_types.buffer_dtype={data['buffer_dtype']!r} casts every other one"
+    return (f"{said} (DeepSpeed does this at initialize under its {dtype_name(low)} section, "
+            "at every ZeRO stage; parameters follow the section)")
+
+
+_DRIFT = "precision_annot's drift warning at initialize is the only sign, and the run goes on"
+_NARROWED = f"so DeepSpeed rounds them to fewer bits than the plan gives them ({_DRIFT})"
+_SIDEWAYS = f"so DeepSpeed holds them in another dtype than the plan gives them ({_DRIFT})"
+_WIDENED = ("so the modules that read them compute with fp32 values where the plan gives them "
+            f"{{planned}} ones ({_DRIFT})")
+
+
+def buffer_findings(plan: PrecisionPlan, config: dict[str, Any]) -> list[Finding]:
+    """One error for the buffers DeepSpeed holds narrower than the plan (or sideways), one
+    warning for those it holds wider, each naming the buffers, the dtypes and the keys."""
+    low = section_dtype(config)
+    if low is None or not reads_keep_in_fp32() or keep_refusal(config):
+        return []
+    planned = planned_buffers(plan)
+    actual = buffer_dtypes(plan, config)
+    changed = {n: (d, actual[n]) for n, (_, d) in planned.items() if actual[n] != d}
+    wanted = exact_patterns(sorted(n for n, (_, d) in planned.items() if d == fp32))
+    out = []
+    for severity in ("error", "warning"):
+        names = sorted(n for n, (a, b) in changed.items()
+                       if wider(b, a) == (severity == "warning"))
+        if names:
+            modules = tuple(dict.fromkeys(planned[n][0] for n in names))
+            out.append(_buffer_finding(severity, {n: changed[n] for n in names}, modules,
+                                       _buffers_cause(config, low), wanted))
+    return out
+
+
+def _buffer_finding(severity: Literal["error", "warning"],
+                    changed: dict[str, tuple[torch.dtype, torch.dtype]],
+                    modules: tuple[str, ...], cause: str, wanted: list[str]) -> Finding:
+    """One finding for buffers held other than planned ((planned, held) each)."""
+    names = list(changed)
+    pairs = sorted({(dtype_name(a), dtype_name(b)) for a, b in changed.values()})
+    what = "; ".join(f"planned {a}, {b} instead" for a, b in pairs)
+    if severity == "warning":
+        then = _WIDENED.format(planned=", ".join(sorted({a for a, _ in pairs})))
+    else:
+        sideways = all(a in LOW_PRECISION for a, _ in changed.values())
+        then = _SIDEWAYS if sideways else _NARROWED
+    fix = ("Pass the config through precision_annot.adapters.deepspeed.to_config(plan, config), "
+           f"which sets data_types.{KEEP_IN_FP32} to the buffers the plan keeps in fp32 "
+           f"({wanted!r})")
+    if severity == "warning":
+        fix += ("; or keep those buffers in fp32 in the plan (for a Hugging Face model's own "
+                "lists, annotate(model, precision_annot.adapters.transformers.rules(model, "
+                "'bf16')))")
+    return Finding(
+        severity, "deepspeed-buffers", modules[0],
+        f"DeepSpeed holds {len(names)} buffer{'s' if len(names) > 1 else ''} "
+        f"({listing(names, 4)}) in another dtype than the plan ({what}), because {cause}, "
+        f"{then}.", fix + ".", modules)
 
 
 #: "auto" values DeepSpeed's engine reads as they are after its config parser let them through

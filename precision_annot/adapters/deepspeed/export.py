@@ -14,6 +14,7 @@ uses a dynamic `GradScaler` for fp16. The mapping:
 | mixed storage (fp32 islands in a bf16 model) | fp32 storage + `torch_autocast`, with a warning |
 | per-module comm | `comm_dtype` on each parameter, set by `prepare` |
 | uniform comm under `bf16`/`fp16` | `communication_data_type` |
+| buffers kept in fp32, under `bf16`/`fp16` | `data_types.keep_in_fp32_modules` (`buffers.py`) |
 
 `translate(plan)` works out once what DeepSpeed can run; `to_config` and `prepare` share it.
 """
@@ -49,11 +50,14 @@ from precision_annot._src.policy import Policy
 from precision_annot._src.runtime import apply, subject
 from precision_annot._src.update.rule import fields_of, rule_for
 from precision_annot._src.wrappers import unwrap
+from precision_annot.adapters.deepspeed import buffers
 
-__all__ = ["FP16_ZERO_FIX", "PRECISION_SECTIONS", "BaseConfig", "DeepSpeedPlan", "config_dtype",
-           "config_flag", "config_section", "deepspeed_version", "fp16_zero_refusal",
-           "load_base", "mixed_storage_message", "param_entries", "prepare", "safe_classes",
-           "static_loss_scale", "to_config", "translate", "update_half", "zero_stage"]
+__all__ = ["FP16_ZERO_FIX", "PRECISION_SECTIONS", "BaseConfig", "DeepSpeedPlan", "buffer_dtypes",
+           "config_dtype", "config_flag", "config_section", "deepspeed_release",
+           "deepspeed_version", "fp16_zero_refusal", "keep_refusal", "keep_setting", "load_base",
+           "mixed_storage_message", "param_entries", "prepare", "reads_keep_in_fp32",
+           "safe_classes", "section_dtype", "static_loss_scale", "to_config", "translate",
+           "update_half", "zero_stage"]
 
 BaseConfig: TypeAlias = Union[Mapping[str, Any], str, "PathLike[str]", None]
 Case: TypeAlias = Literal["low_storage", "fp32", "autocast"]
@@ -537,7 +541,9 @@ def to_config(
 
     `base` is read as DeepSpeed reads it: a file may carry comments (hjson), a `null` section
     is an empty one, `"auto"` values are filled from the plan, and booleans may be strings
-    such as "false".
+    such as "false". Under the bf16 or fp16 section, `data_types.keep_in_fp32_modules` (read
+    by DeepSpeed 0.19.8 and later) is set to the buffers the plan keeps in fp32 where
+    DeepSpeed's "auto" would keep others.
 
     Args:
         model_or_plan: a model (resolved here), a `PrecisionPlan`, or `translate`'s result.
@@ -559,10 +565,90 @@ def to_config(
     config_dtype(config_section(config, "torch_autocast").get("dtype"), "torch_autocast.dtype")
     _FILLS[dsp.case](config, dsp, stage)
     _fill_update(config, dsp, stage)
+    _fill_buffers(config, dsp)
     for section in PRECISION_SECTIONS:  # DeepSpeed cannot read a null torch_autocast
         if section in config and config[section] is None:
             del config[section]
     return config
+
+
+# -- buffers: data_types.keep_in_fp32_modules (buffers.py) --------------------------------------
+
+def reads_keep_in_fp32() -> bool:
+    """Whether the installed DeepSpeed reads `data_types.keep_in_fp32_modules` (True where none
+    is installed here: the config is then written for the machine that launches, and older
+    releases ignore the key)."""
+    release = deepspeed_release()
+    return release is None or release >= buffers.READ_SINCE
+
+
+def section_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype DeepSpeed's enabled section casts the model to (fp16 first, as DeepSpeed
+    asks), or None: then it casts nothing, and keeps no buffer in fp32."""
+    if config_flag(config, "fp16"):
+        return fp16
+    return bf16 if config_flag(config, "bf16") else None
+
+
+def keep_setting(config: dict[str, Any]) -> object:
+    """The config's `data_types.keep_in_fp32_modules` ("auto" where it is left out)."""
+    return config_section(config, "data_types").get(buffers.KEEP_IN_FP32, buffers.AUTO)
+
+
+def keep_refusal(config: dict[str, Any]) -> str | None:
+    """Why the installed DeepSpeed refuses the config's `keep_in_fp32_modules`, or None."""
+    if buffers.KEEP_IN_FP32 not in config_section(config, "data_types"):
+        return None
+    return buffers.refusal(keep_setting(config)) if reads_keep_in_fp32() else None
+
+
+def buffer_dtypes(plan: PrecisionPlan, config: dict[str, Any]) -> dict[str, torch.dtype]:
+    """What DeepSpeed's `initialize` leaves each floating buffer in with this config, the
+    buffers arriving as planned (`prepare` puts them there)."""
+    low = section_dtype(config) if reads_keep_in_fp32() and not keep_refusal(config) else None
+    cast = config_dtype(config_section(config, "data_types").get("buffer_dtype"),
+                        "data_types.buffer_dtype")
+    return buffers.held(plan, low, keep_setting(config), cast)
+
+
+def _fill_buffers(config: dict[str, Any], dsp: DeepSpeedPlan) -> None:
+    """Under a bf16 or fp16 section, where the base leaves `keep_in_fp32_modules` out or "auto"
+    and DeepSpeed would keep other buffers in fp32 than the plan does, the plan's fp32 buffers,
+    by exact name; raise where the base's value (or its `buffer_dtype`) holds a buffer in
+    another dtype than the plan."""
+    if not reads_keep_in_fp32():
+        return  # an older DeepSpeed ignores the key
+    refusal = keep_refusal(config)
+    if refusal is not None:
+        raise ValueError(f"base config: DeepSpeed refuses {refusal}; give \"auto\" or a list of "
+                         "name patterns, or leave the key out.")
+    low = section_dtype(config)
+    if low is None:
+        return  # DeepSpeed casts nothing without its bf16/fp16 section
+    planned = {n: d for n, (_, d) in buffers.planned_buffers(dsp.plan).items()}
+    fp32_buffers = {n for n, d in planned.items() if d == fp32}
+    wanted = buffers.exact_patterns(sorted(fp32_buffers))
+    given = keep_setting(config)
+    if given == buffers.AUTO and buffers.kept_by(dsp.plan, given, low) != fp32_buffers:
+        _fill(config, "data_types", buffers.KEEP_IN_FP32, wanted)
+    actual = buffer_dtypes(dsp.plan, config)
+    wrong = {n: (d, actual[n]) for n, d in planned.items() if actual[n] != d}
+    if wrong:
+        raise _buffers_contradicted(config, given, wanted, wrong)
+
+
+def _buffers_contradicted(config: dict[str, Any], given: object, wanted: list[str],
+                          wrong: dict[str, tuple[torch.dtype, torch.dtype]]) -> ValueError:
+    """The base's key that holds these buffers other than planned ((planned, held) each): its
+    own keep_in_fp32_modules where that keeps one in fp32 or leaves out one the plan keeps
+    there, else its buffer_dtype."""
+    said = ", ".join(f"{n!r} in {dtype_name(a)}" for n, (a, _) in sorted(wrong.items())[:4])
+    if given != buffers.AUTO and any(fp32 in pair for pair in wrong.values()):
+        return _contradiction(f"data_types.{buffers.KEEP_IN_FP32}", given,
+                              f"{wanted} (the plan holds {said})")
+    return _contradiction("data_types.buffer_dtype",
+                          config_section(config, "data_types").get("buffer_dtype"),
+                          f"the buffers as planned ({said})")
 
 
 def deepspeed_version() -> str:
@@ -574,13 +660,18 @@ def deepspeed_version() -> str:
         return "unknown"
 
 
-def fp16_autocast_zero_broken() -> bool:
-    """True for the DeepSpeed versions seen to drop fp16 torch_autocast updates under ZeRO 1-3."""
+def deepspeed_release() -> tuple[int, ...] | None:
+    """The installed DeepSpeed's release as numbers ((0, 19, 8)), None where none is installed."""
     found = deepspeed_version()
     if found == "unknown":
-        return True
-    parts = tuple(int(x) for x in found.split("+")[0].split(".")[:3] if x.isdigit())
-    return parts <= (0, 19, 8)
+        return None
+    return tuple(int(x) for x in found.split("+")[0].split(".")[:3] if x.isdigit())
+
+
+def fp16_autocast_zero_broken() -> bool:
+    """True for the DeepSpeed versions seen to drop fp16 torch_autocast updates under ZeRO 1-3."""
+    release = deepspeed_release()
+    return release is None or release <= (0, 19, 8)
 
 
 def _check_user_classes(dsp: DeepSpeedPlan, listed: object, dtype: torch.dtype) -> None:
