@@ -86,3 +86,38 @@ def test_from_2_14_checkpoint_starts_through_impl_and_not_the_old_name() -> None
     wrapping the old one (0.5) changed nothing, silently."""
     assert seams.CHECKPOINT_GENERATOR == "_checkpoint_without_reentrant_generator_impl"
     assert _generators_called() == ["_checkpoint_without_reentrant_generator_impl"]
+
+
+def _queued_after_the_backward() -> list[str]:
+    """What `grads` relies on: a callback queued during a backward runs when it ends, after
+    the hooks, and one it queues runs after it."""
+    ran: list[str] = []
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        def first() -> None:
+            ran.append("first")
+            seams.queue_callback(lambda: ran.append("queued by first"))
+
+        seams.queue_callback(first)
+        ran.append("hook")
+        return grad
+
+    y = x * 2
+    y.register_hook(hook)
+    y.sum().backward()
+    return ran
+
+
+@pytest.mark.skipif(seams.at_least(2, 15), reason="the branch of torch 2.13 and 2.14")
+def test_before_2_15_callbacks_are_queued_on_autograds_engine() -> None:
+    assert not seams.QUEUE_CALLBACK_PUBLIC
+    assert seams.queue_callback == torch.autograd.Variable._execution_engine.queue_callback
+    assert _queued_after_the_backward() == ["hook", "first", "queued by first"]
+
+
+@pytest.mark.skipif(not seams.at_least(2, 15), reason="public from torch 2.15")
+def test_from_2_15_callbacks_are_queued_through_the_public_function() -> None:
+    assert seams.QUEUE_CALLBACK_PUBLIC
+    assert seams.queue_callback is torch.autograd.graph.queue_callback  # type: ignore[attr-defined]
+    assert _queued_after_the_backward() == ["hook", "first", "queued by first"]

@@ -577,8 +577,8 @@ def _operands(args: Any, kwargs: Any) -> list[torch.Tensor]:
 def _collective(func: Any) -> bool:
     """Whether `func` is a collective (DTensor's, in a tensor-parallel hook: an all-gather moves
     data, a reduction's dtype is recorded as a reduction), which autocast never changes."""
-    packet = getattr(func, "overloadpacket", func)
-    return str(getattr(packet, "_qualified_op_name", "")).startswith(("_c10d_functional", "c10d"))
+    packet = getattr(func, "overloadpacket", func)  # an op's str is "namespace.name[.overload]"
+    return str(packet).startswith(("_c10d_functional", "c10d"))
 
 
 class _AutocastState(TorchFunctionMode):

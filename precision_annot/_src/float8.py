@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from precision_annot._src.dtypes import FP8_RECIPES, dtype_name
 
 __all__ = ["MX_BLOCK", "MX_HIGH", "Converted", "Gemm", "available", "build", "commit", "config",
            "import_torchao", "REFUSALS", "Refusal", "refusals",
-           "install_hint", "is_fp8_tensor", "plain_class", "prepare_compile", "revert",
-           "validate"]
+           "install_hint", "is_fp8_tensor", "is_wrapper_subclass", "plain_class",
+           "prepare_compile", "revert", "validate"]
 
 install_hint = "pip install 'precision-annot[fp8]' (torchao>=0.18)"
 
@@ -352,6 +351,14 @@ _FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4
                          torch.float8_e5m2fnuz, torch.float8_e8m0fnu})
 
 
+def is_wrapper_subclass(t: object) -> bool:
+    """A tensor subclass that wraps inner tensors (torchao's fp8 training tensors): one that
+    implements the flatten protocol `torch.compile` and FSDP2 use, the whole of torch's own
+    (private) `is_traceable_wrapper_subclass`."""
+    return (isinstance(t, torch.Tensor) and type(t) is not torch.Tensor
+            and hasattr(t, "__tensor_flatten__") and hasattr(t, "__tensor_unflatten__"))
+
+
 def is_fp8_tensor(t: object, depth: int = 0) -> bool:
     """A tensor whose data is fp8: a plain float8 tensor, or a tensor subclass (torchao's
     training tensors, which report their high-precision dtype) holding float8 data."""
@@ -359,7 +366,7 @@ def is_fp8_tensor(t: object, depth: int = 0) -> bool:
         return False
     if t.dtype in _FP8_DTYPES:
         return True
-    if depth > 2 or not is_traceable_wrapper_subclass(t):
+    if depth > 2 or not is_wrapper_subclass(t):
         return False
-    names, _ = t.__tensor_flatten__()
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
     return any(is_fp8_tensor(getattr(t, n, None), depth + 1) for n in names)

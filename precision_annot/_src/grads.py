@@ -44,14 +44,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
 
+from precision_annot._src import seams
 from precision_annot._src.boundary import get_tensor
 from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.execution import Key, Target
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.update.rule import update_rule
 
-__all__ = ["Pending", "WideGrads", "own_dtype", "pending", "planned", "set_grad_dtype",
-           "supported"]
+__all__ = ["Pending", "WideGrads", "own_dtype", "pending", "planned", "set_grad_dtype"]
 
 #: (module name, parameter name, accumulation dtype, comm dtype or None) for one parameter
 Entry = tuple[str, str, torch.dtype, torch.dtype | None]
@@ -64,11 +64,6 @@ class Wide(NamedTuple):
     name: str
     dtype: torch.dtype
     comm: torch.dtype | None
-
-
-def supported() -> bool:
-    """True when this torch has `Tensor.grad_dtype` (2.10 and later)."""
-    return hasattr(torch.Tensor, "grad_dtype")
 
 
 def set_grad_dtype(param: torch.Tensor, dtype: torch.dtype) -> None:
@@ -109,14 +104,6 @@ def planned(plan: PrecisionPlan, named: dict[str, nn.Module],
                 out.append((name, pname, wide, policy.grad_comm))
             elif wide.itemsize > out[at][2].itemsize:
                 out[at] = (*out[at][:2], wide, out[at][3])
-    if out and not supported():
-        name, pname, dtype, _ = out[0]
-        raise ValueError(
-            f"apply: grad={dtype_name(dtype)} for {len(out)} parameter(s), e.g. "
-            f"{f'{name}.{pname}' if name else pname!r}, accumulates gradients through "
-            f"Tensor.grad_dtype, which needs torch 2.10 or later (this is torch "
-            f"{torch.__version__}). Upgrade torch, or leave grad unset (gradients then "
-            "accumulate in the storage dtype).")
     return tuple(out)
 
 
@@ -168,22 +155,23 @@ def _arm(wide: WideGrads) -> None:
     wide._arm()
 
 
-#: `WideGrads._arm`, run eagerly from a compiled forward (a graph break, taken only under DDP).
-#: NOTE: torch's private `_disable_dynamo` is `torch.compiler.disable` imported lazily (as
-#: DDP's own `_inside_ddp_forward` uses it): `torch.compiler.disable` at import time would import
-#: Dynamo, and with it FSDP, into every `import precision_annot`.
-_outside_the_graph: Callable[[WideGrads], None] = torch._disable_dynamo(_arm)  # type: ignore[attr-defined]
+_EAGER_ARM: list[Callable[[WideGrads], None]] = []
+
+
+def _eager_arm() -> Callable[[WideGrads], None]:
+    """`WideGrads._arm`, run eagerly from a compiled forward (a graph break, taken only under
+    DDP): `torch.compiler.disable` made once, by the first `WideGrads` (at `apply`), not at
+    import, since applying it imports Dynamo, which `import precision_annot` does not."""
+    if not _EAGER_ARM:
+        _EAGER_ARM.append(torch.compiler.disable(_arm))  # type: ignore[no-untyped-call,unused-ignore]
+    return _EAGER_ARM[0]
 
 
 def _ddp_parameters(ddp: Any) -> list[torch.Tensor]:
-    """The parameters DDP reduces (those it was not told to ignore).
-
-    NOTE: DDP's private `_module_parameters`, the list its constructor builds from the
-    module's parameters less `parameters_to_ignore`."""
-    params = getattr(ddp, "_module_parameters", None)
-    if params is None:
-        params = [p for p in ddp.module.parameters() if not hasattr(p, "_ddp_ignored")]
-    return list(params)
+    """The parameters DDP reduces: the module's, less those it was told to ignore (its public
+    `parameters_to_ignore`, names), the list DDP's constructor builds."""
+    ignored = ddp.parameters_to_ignore
+    return [p for n, p in ddp.module.named_parameters() if n not in ignored]
 
 
 def _comm_hook(ddp: Any) -> str:
@@ -220,6 +208,7 @@ class WideGrads:
         self._ddps: weakref.WeakKeyDictionary[Any, list[Wide]] = weakref.WeakKeyDictionary()
         self._armed: list[Wide] = []
         self._queued = False
+        self._outside_the_graph = _eager_arm()
 
     # -- copies and pickles: a copied Parameter starts with its own dtype as grad_dtype ------
     def __getstate__(self) -> dict[str, Any]:
@@ -275,7 +264,7 @@ class WideGrads:
             # compiled under DDP (either way round): armed outside the graph; compiled alone,
             # nothing to do and nothing traced (fullgraph holds)
             if DistributedDataParallel._active_ddp_module is not None:
-                _outside_the_graph(self)
+                self._outside_the_graph(self)
             return
         self._arm()
 
@@ -364,12 +353,11 @@ class WideGrads:
         if self._queued:
             return
         self._queued = True
-        engine = torch.autograd.Variable._execution_engine
 
         def later() -> None:
-            engine.queue_callback(self._finish)
+            seams.queue_callback(self._finish)
 
-        engine.queue_callback(later)
+        seams.queue_callback(later)
 
     def _finish(self) -> None:
         self._queued = False

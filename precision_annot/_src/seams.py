@@ -13,8 +13,9 @@ import re
 import torch
 
 __all__ = ["CHECKPOINT_GENERATOR", "FLOOR", "FSDP2_GRAD_DTYPE", "FSDP2_KEEPS_PARAM_DTYPE",
-           "FSDP2_REDUCES_IN_GRAD_DTYPE", "FSDP2_TP_REDUCE_DTYPE", "NEWEST", "TORCH", "at_least",
-           "fsdp2_default_reduce", "parse", "tested"]
+           "FSDP2_REDUCES_IN_GRAD_DTYPE", "FSDP2_TP_REDUCE_DTYPE", "NEWEST",
+           "QUEUE_CALLBACK_PUBLIC", "TORCH", "at_least", "fsdp2_default_reduce", "parse",
+           "queue_callback", "tested"]
 
 
 def parse(version: str) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ _WRAPPERS: dict[str, str] = {
     "FullyShardedDataParallel": "_fsdp_wrapped_module",
     "OptimizedModule": "_orig_mod",  # torch.compile
     "DeepSpeedEngine": "module",
-    "_FabricModule": "_original_module",  # Lightning Fabric's setup()
+    "_FabricModule": "module",  # Lightning Fabric's setup(): a property
 }
 
 
@@ -51,7 +51,12 @@ def compiled(model: nn.Module) -> bool:
 def unwrap_once(model: nn.Module) -> nn.Module | None:
     """The model one known wrapper holds, or None when `model` is not one."""
     attr = _WRAPPERS.get(type(model).__name__)
-    inner = model.__dict__.get(attr) if attr else None
-    if inner is None and attr:  # registered as a submodule, not a plain attribute
-        inner = model._modules.get(attr)
+    if attr is None:
+        return None
+    if isinstance(getattr(type(model), attr, None), property):  # the wrapper's own accessor
+        inner = getattr(model, attr)
+    else:  # a plain attribute, or registered as a submodule
+        inner = model.__dict__.get(attr)
+        if inner is None:
+            inner = model._modules.get(attr)
     return inner if isinstance(inner, nn.Module) else None

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from precision_annot._src.casting import floating_leaves
+from precision_annot._src.float8 import is_wrapper_subclass
 from precision_annot._src.suggest.compare import scan
 from precision_annot._src.suggest.constants import OUTSIDE
 from precision_annot._src.suggest.records import Counts
@@ -147,4 +148,4 @@ def _results(out: Any) -> list[torch.Tensor]:
     results: list[torch.Tensor] = []
     floating_leaves(out, results)
     return [t for t in results if t.dtype not in FP8_DATA
-            and not is_traceable_wrapper_subclass(t)]
+            and not is_wrapper_subclass(t)]

@@ -26,11 +26,11 @@ from precision_annot._src.guards import require_module
 from precision_annot._src.update import engines, formats, guard
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, fields_of
 from precision_annot._src.update.step import (
+    eager_run_step,
     family,
     items_of,
     refusal,
     rule_of,
-    run_step,
     settle,
     write_back,
 )
@@ -61,10 +61,12 @@ class PlanOptimizer(Optimizer):
     _precision_annot_fields: dict[torch.Tensor, UpdateFields]
     _precision_annot_names: dict[torch.Tensor, str]
     _precision_annot_compile: bool | None
+    #: `step.run_step`, run as it is under `torch.compile` (set by `planned_class`)
+    _precision_annot_step: Callable[[Any, Callable[[], Any] | None], Any]
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """The class's own step, each parameter presented as its rule says."""
-        return cast("float | None", run_step(self, closure))
+        return cast("float | None", self._precision_annot_step(self, closure))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's `zero_grad`; inside a step (a closure that re-evaluates the model), the
@@ -273,6 +275,7 @@ def planned_class(optimizer_class: type[Optimizer]) -> type[PlanOptimizer]:
         made = cast(type[PlanOptimizer], type(optimizer_class.__name__, (
             PlanOptimizer, optimizer_class), {
                 "_precision_annot_base": optimizer_class,
+                "_precision_annot_step": staticmethod(eager_run_step()),
                 "__module__": __name__,
                 "__qualname__": f"PlanOptimizer[{optimizer_class.__qualname__}]",
                 "__doc__": optimizer_class.__doc__}))

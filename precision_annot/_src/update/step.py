@@ -31,9 +31,9 @@ from precision_annot._src.update import engines, formats
 from precision_annot._src.update.guard import generation, planned
 from precision_annot._src.update.rule import Item, UpdateFields, UpdateRule, rule_for
 
-__all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "family", "items_of",
-           "own_step", "refusal", "rule_of", "run_step", "settle", "widen_gradients",
-           "write_back"]
+__all__ = ["CHUNK_BYTES", "KERNELS", "AdamKernel", "Item", "adam_family", "eager_run_step",
+           "family", "items_of", "own_step", "refusal", "rule_of", "run_step", "settle",
+           "widen_gradients", "write_back"]
 
 #: the most bytes of copies made for one chunk of a step (upcast gradients, working copies,
 #: upcast states), and never more than an eighth of the parameters, unless one is larger
@@ -495,15 +495,6 @@ def settle(optimizer: Any, items: Sequence[Item]) -> None:
                 state[key] = formats.to_format(value, rule.state, p)  # type: ignore[arg-type]
 
 
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` run as it is under `torch.compile`.
-
-    NOTE: `torch.compiler.disable` applied at import imports Dynamo (and FSDP with it) into
-    every `import precision_annot`; torch's `_disable_dynamo` defers that to the first call."""
-    disable: Any = torch._disable_dynamo  # type: ignore[attr-defined]
-    return disable(fn)  # type: ignore[no-any-return]
-
-
 class _Split(NamedTuple):
     """A step's items by who steps them (kept while the items are)."""
 
@@ -524,11 +515,9 @@ def _split(optimizer: Any, items: list[Item]) -> _Split:
     return split
 
 
-@_eager
 def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
-    """One step of a planned optimizer (see the module docstring). Under `torch.compile`
-    (`torch.compile(optimizer.step)`) it runs as it is: its stand-ins are made each step, and
-    tracing them would recompile at every one."""
+    """One step of a planned optimizer (see the module docstring). Planned classes call it
+    through `eager_run_step`."""
     items = items_of(optimizer)
     if not optimizer.__dict__.get("_precision_annot_layout"):
         settle(optimizer, items)
@@ -555,6 +544,19 @@ def run_step(optimizer: Any, closure: Callable[[], Any] | None) -> Any:
         out = _class_step(optimizer, rest, closure)
         loss = out if loss is None else loss
     return loss
+
+
+_EAGER_STEP: list[Callable[[Any, Callable[[], Any] | None], Any]] = []
+
+
+def eager_run_step() -> Callable[[Any, Callable[[], Any] | None], Any]:
+    """`run_step` as `torch.compile` runs it (`torch.compile(optimizer.step)`): as it is, since
+    its stand-ins are made each step and tracing them would recompile at every one. Made once,
+    by the first planned optimizer class, not at import: `torch.compiler.disable` imports
+    Dynamo, which `import precision_annot` does not (building a torch optimizer does)."""
+    if not _EAGER_STEP:
+        _EAGER_STEP.append(torch.compiler.disable(run_step))  # type: ignore[no-untyped-call,unused-ignore]
+    return _EAGER_STEP[0]
 
 
 def _low_bit_step(optimizer: Any, low: list[Item]) -> None:

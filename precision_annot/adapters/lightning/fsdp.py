@@ -9,6 +9,7 @@ from torch import nn
 from typing_extensions import override
 
 from precision_annot.adapters.fsdp import mixed_precision, wrap_policy
+from precision_annot.adapters.lightning.strategies import strategy_of
 from precision_annot.adapters.lightning.trainer import AnnotatedPrecision
 
 __all__ = ["AnnotatedFSDPPrecision"]
@@ -35,7 +36,7 @@ class AnnotatedFSDPPrecision(AnnotatedPrecision, FSDPPrecision):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.scaler = ShardedGradScaler(device=self.device or "cpu")
-        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+        strategy = strategy_of(module)
         kwargs = getattr(strategy, "kwargs", None)
         if isinstance(kwargs, dict) and "auto_wrap_policy" not in kwargs:
             kwargs["auto_wrap_policy"] = wrap_policy(self.plan)

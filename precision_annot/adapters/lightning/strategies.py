@@ -29,8 +29,15 @@ __all__ = ["DeepSpeedHooks", "LocalHooks", "hooks_for", "strategy_of"]
 
 
 def strategy_of(module: nn.Module) -> Any:
-    """The strategy of the Trainer the LightningModule is attached to, or None."""
-    return getattr(getattr(module, "_trainer", None), "strategy", None)
+    """The strategy of the Trainer the LightningModule is attached to, or None (a plain module,
+    one not attached, or one run by Fabric, whose `trainer` stands in for Fabric)."""
+    if not isinstance(module, pl.LightningModule) or module.fabric is not None:
+        return None
+    try:
+        trainer = module.trainer
+    except RuntimeError:  # "... is not attached to a `Trainer`"
+        return None
+    return getattr(trainer, "strategy", None)
 
 
 class LocalHooks:

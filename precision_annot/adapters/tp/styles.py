@@ -165,7 +165,7 @@ def _add_bias(out: DTensor, bias: torch.Tensor, compute: torch.dtype, acc: torch
     last = isinstance(st.layout, Shard) and st.layout.dim in (-1, out.dim() - 1)
     if last or not isinstance(bias, DTensor):  # each bias element's gradient on one rank
         return out.to(acc) + bias.to(compute).to(acc)
-    local = out.to_local().to(acc) + _Bias.apply(  # type: ignore[no-untyped-call]
+    local = out.to_local().to(acc) + _Bias.apply(  # type: ignore[no-untyped-call,unused-ignore]
         bias.to_local(), compute, acc, st)
     return DTensor.from_local(local, st.mesh, out.placements, run_check=False,
                               shape=out.shape, stride=out.stride())
@@ -184,7 +184,7 @@ def _row_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
     with torch.autocast(device, enabled=False):
         xl = x.to_local().to(compute)  # the rounding autocast would do
         wl = cast(DTensor, weight).to_local().to(compute)
-        partial = _WideLinear.apply(xl, wl, acc).to(st.comm)  # type: ignore[no-untyped-call]
+        partial = _WideLinear.apply(xl, wl, acc).to(st.comm)  # type: ignore[no-untyped-call,unused-ignore]
         out: torch.Tensor = _partial(partial, st.mesh).redistribute(st.mesh, (st.layout,))
         if bias is not None:
             out = _add_bias(cast(DTensor, out), bias, compute, acc, st)
@@ -242,7 +242,7 @@ def _col_forward(module: nn.Linear, st: TPState, input: torch.Tensor) -> torch.T
     weight, bias = cast(DTensor, module.weight), module.bias
     compute = _gemm_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        out = _ColLinear.apply(x.to_local(), weight.to_local(),  # type: ignore[no-untyped-call]
+        out = _ColLinear.apply(x.to_local(), weight.to_local(),  # type: ignore[no-untyped-call,unused-ignore]
                                None if bias is None else cast(DTensor, bias).to_local(),
                                st, x.placements[0], compute)
     rows = tuple(out.shape[:-1])

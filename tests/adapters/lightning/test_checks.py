@@ -56,6 +56,26 @@ def test_precision_and_the_plugin_together() -> None:
         trainer(precision="16-mixed", plugins=[AnnotatedPrecision()])
 
 
+def test_a_plugin_set_on_the_strategy_counts_for_trainer_and_fabric_strategies() -> None:
+    """The plugin a strategy instance carries (the Trainer's `precision_plugin=`, Fabric's
+    `precision=`) is read through those public properties: a Fabric strategy's plugin was never
+    seen before (it was read from the Trainer strategy's private attribute only)."""
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+
+    from precision_annot.adapters.lightning import FabricAnnotatedPrecision
+
+    for bare in (DDPStrategy(), FabricDDPStrategy()):  # Lightning's default plugin is not ours
+        assert "lightning-no-plugin" in found({"strategy": bare, "accelerator": "cpu"})
+    for strategy in (DDPStrategy(precision_plugin=AnnotatedPrecision()),
+                     FabricDDPStrategy(precision=FabricAnnotatedPrecision())):
+        assert "lightning-no-plugin" not in found({"strategy": strategy, "accelerator": "cpu"})
+    config = {"strategy": FabricDDPStrategy(precision=FabricAnnotatedPrecision()),
+              "plugins": [FabricAnnotatedPrecision()], "accelerator": "cpu"}
+    assert "lightning-precision" in found(config)
+    with pytest.raises(ValueError, match="precision set through both strategy class and plugins"):
+        L.Fabric(**config)
+
+
 def test_fsdp_strategy_needs_the_fsdp_plugin() -> None:
     config = {"strategy": CPUFSDPStrategy(), "plugins": [AnnotatedPrecision()],
               "accelerator": "cpu"}
