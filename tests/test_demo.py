@@ -32,6 +32,8 @@ def test_module_entry_point_and_demo(tmp_path: Path) -> None:
                    "8. Before launching the suggested plan", "[deepspeed-fp16-zero]",
                    "10. The optimizer step, per module too"):
         assert marker in out
+    # 0.5 printed "Epoch 0/-2" (max_steps alone leaves max_epochs=-1)
+    assert "Epoch 0/0" in out and "/-" not in out
     losses = next(line for line in out.splitlines() if "final loss" in line).split()
     annotated, fp32 = float(losses[2]), float(losses[3])
     assert annotated < 2.0 and fp32 < 2.0  # both learned (from ln(64) = 4.16)

@@ -1190,3 +1190,33 @@ def test_the_batch_dimension_is_read_past_scalars_and_broadcast_leading_ones() -
         assert [c.sample for c in found.held_out] == ["held-out 1", "held-out 2"]
         assert sorted(set(seen)) == [8, 16]  # the calibration half and two quarters
         seen.clear()
+
+
+def test_fp8_low_where_the_kernels_cannot_run_says_so_mocked_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some CPU kernel sets have no fp8 matrix multiply (oneDNN limited to AVX2 refused it on
+    an AVX-512 CPU: "could not create a primitive descriptor"). 0.5's suggest(low="fp8") then
+    made every Linear an island for "raising in its own code" and reported a plan that meets
+    the tolerance and runs no fp8 at all. This CPU runs fp8, so torch's fp8 GEMM is replaced by
+    one that raises as such a kernel set does."""
+    from precision_annot._src import float8
+
+    pytest.importorskip("torchao")
+
+    def refused(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("could not create a primitive descriptor for a matmul primitive")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refused)
+    monkeypatch.setattr(float8, "_KERNELS", {})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    state = torch.get_rng_state()
+    with pytest.raises(RuntimeError, match=r"suggest\(low='fp8'\): this machine's kernels "
+                       r"cannot run fp8 GEMMs on cpu \(RuntimeError: could not create a "
+                       r"primitive descriptor.*ask for low='bf16'"):
+        suggest(model, torch.randn(64, 64), low="fp8")
+    # the probe drew nothing from the caller's random stream (the sample above did)
+    monkeypatch.setattr(float8, "_KERNELS", {})
+    before = torch.get_rng_state()
+    assert float8.kernel_refusal(float8.Gemm("fp8"), torch.device("cpu")) is not None
+    assert torch.equal(torch.get_rng_state(), before) and not torch.equal(before, state)

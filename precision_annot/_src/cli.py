@@ -23,7 +23,8 @@ from torch import nn
 
 from precision_annot._src.auditing import audit
 from precision_annot._src.checking import BACKENDS, check
-from precision_annot._src.diffing import diff
+from precision_annot._src.diffing import TOLERANCE as DIFF_TOLERANCE
+from precision_annot._src.diffing import WIDE_TOLERANCE, diff
 from precision_annot._src.findings import SEVERITIES
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import as_policy
@@ -31,6 +32,7 @@ from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply
 from precision_annot._src.samples import step
 from precision_annot._src.suggest import suggest
+from precision_annot._src.suggest.constants import DEFAULT_TOLERANCE, FP8_TOLERANCE
 from precision_annot._src.version import VERSION
 from precision_annot._src.watching import plot, report
 
@@ -405,7 +407,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="everything else runs in this: bf16, fp16, bf16-mixed, 16-mixed "
                           "(default: bf16)")
     sug.add_argument("--tolerance", type=float, metavar="X",
-                     help="largest relative error end to end (default: 1e-2 fp16, 5e-2 bf16)")
+                     help="largest relative error end to end (default: "
+                          f"{DEFAULT_TOLERANCE[torch.float16]:g} fp16, "
+                          f"{DEFAULT_TOLERANCE[torch.bfloat16]:g} bf16, {FP8_TOLERANCE:g} fp8)")
     sug.add_argument("--loss", metavar="TARGET",
                      help="a function output -> loss: then gradients are checked too")
     sug.add_argument("--out", metavar="PLAN.json", help="write the suggested plan here")
@@ -426,10 +430,13 @@ def _parser() -> argparse.ArgumentParser:
                    "module; names the first module past the tolerance (exit status 1 if one "
                    "is)", _cmd_diff, target=_MODEL, sample=True)
     dif.add_argument("--loss", metavar="TARGET",
-                     help="a function (output, sample) -> loss (default: the outputs summed)")
+                     help="a function (output, sample) -> loss (default: a fixed projection "
+                          "of the outputs, each weighted by a fixed pattern of values in [-1, 1), "
+                          "not their sum)")
     dif.add_argument("--tolerance", type=float, metavar="X",
-                     help="relative error a module passes to be named (default: 2e-2 fp16, "
-                          "1e-1 bf16, 1e-3 wider)")
+                     help="relative error a module passes to be named (default: "
+                          f"{DIFF_TOLERANCE[torch.float16]:g} fp16, "
+                          f"{DIFF_TOLERANCE[torch.bfloat16]:g} bf16, {WIDE_TOLERANCE:g} wider)")
     dif.add_argument("--json", action="store_true", help="print the report as JSON")
     rep = sub.add_parser("watch-report", help="the modules closest to their dtype's limits in "
                          "a file precision_annot.watch(path=...) wrote")

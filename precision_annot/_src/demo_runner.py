@@ -83,9 +83,11 @@ def _fit(model: nn.Module, plugins: list[Any], steps: int, label: str) -> tuple[
     import lightning as L
 
     module = _module(model)
-    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, plugins=plugins,
-                        logger=False, enable_checkpointing=False, enable_model_summary=False,
-                        enable_progress_bar=True)
+    # one epoch of `steps` batches: max_steps alone leaves max_epochs=-1, which the progress
+    # bar prints as "Epoch 0/-2"
+    trainer = L.Trainer(max_steps=steps, max_epochs=1, accelerator="cpu", devices=1,
+                        plugins=plugins, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False, enable_progress_bar=True)
     print(f"\n{label}")
     start = time.perf_counter()
     trainer.fit(module, _data(steps, 16))

@@ -82,6 +82,33 @@ def available() -> bool:
     return True
 
 
+_KERNELS: dict[tuple[str, str], str | None] = {}
+
+
+def kernel_refusal(gemm: Gemm, device: torch.device) -> str | None:
+    """Why this machine's kernels cannot run the recipe's GEMMs on `device` (the error one
+    small layer's forward and backward raised), or None where they run. Some CPU kernel sets
+    have no fp8 matrix multiply: oneDNN limited to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2`) refused
+    it on an AVX-512 CPU ("could not create a primitive descriptor"). Asked once per recipe and
+    device type."""
+    key = (gemm.recipe, device.type)
+    if key not in _KERNELS:
+        # no random draw: a probe must not move the caller's random stream
+        layer = nn.utils.skip_init(nn.Linear, 64, 64, bias=False, device=device)
+        values = torch.linspace(-1, 1, 64 * 64, device=device).reshape(64, 64)
+        with torch.no_grad():
+            layer.weight.copy_(values)
+        try:
+            fp8 = build(layer, gemm, "probe")  # sharing the layer's weight
+            x = values.t().contiguous().requires_grad_(True)
+            with torch.autocast(device.type, dtype=gemm.compute or torch.bfloat16):
+                fp8(x).float().sum().backward()
+            _KERNELS[key] = None
+        except (RuntimeError, NotImplementedError) as e:  # what a kernel raises
+            _KERNELS[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    return _KERNELS[key]
+
+
 def config(gemm: Gemm, where: str = "fp8") -> Any:
     """torchao's `Float8LinearConfig` for one recipe (with FSDP2's fp8 all-gather when the
     module's comm is fp8)."""

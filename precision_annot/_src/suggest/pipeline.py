@@ -14,7 +14,7 @@ from torch import nn
 
 from precision_annot._src.casting import map_tree
 from precision_annot._src.dtypes import fp16
-from precision_annot._src.float8 import import_torchao
+from precision_annot._src.float8 import Gemm, import_torchao, kernel_refusal
 from precision_annot._src.guards import require_module
 from precision_annot._src.policy import Policy, SpecLike
 from precision_annot._src.resolution import resolve
@@ -153,7 +153,7 @@ def suggest(
     require_real_data(model, (args, kwargs))
     reference = fp32_copy(model, training=losses is not None)
     if policy.gemm:
-        import_torchao("torchao.float8", f"suggest(low={low!r})")
+        _require_fp8_kernels(model, policy.gemm, low)
     with torch.random.fork_rng():
         # 1. the fp32 reference on the calibration batch
         calib, others, rows = _calibrate(reference, sample, (args, kwargs), held_out, losses,
@@ -194,6 +194,22 @@ def suggest(
                       margin=float(margin), seconds=time.perf_counter() - start,
                       message=message, reasons=why, kept_for_speed=speed, island=island,
                       runs=dict(search.runs), verified=verified, loss_scale=loss_scale)
+
+
+def _require_fp8_kernels(model: nn.Module, recipe: str, low: SpecLike) -> None:
+    """torchao, and kernels on the model's device that run the recipe's GEMMs: where they
+    raise at every call, every module would become an island for "raising in its own code",
+    and the plan found would run no fp8 at all."""
+    import_torchao("torchao.float8", f"suggest(low={low!r})")
+    device = next((t.device for t in (*model.parameters(), *model.buffers())),
+                  torch.device("cpu"))
+    refusal = kernel_refusal(Gemm(recipe), device)
+    if refusal is not None:
+        raise RuntimeError(
+            f"suggest(low={low!r}): this machine's kernels cannot run {recipe} GEMMs on "
+            f"{device.type} ({refusal}), so no fp8 plan can be measured here. Run suggest where "
+            "they run (a GPU with fp8, or a CPU whose kernels have fp8 matrix multiplies), or "
+            "ask for low='bf16'.")
 
 
 def _tolerance(policy: Policy, tolerance: float | None, margin: float) -> float:
