@@ -288,3 +288,19 @@ def test_reentrant_checkpointing_called_from_the_loop_is_recorded_from_its_run_i
     want_grads = {r.key: g for r, g in plain_grads}
     for r, g in grads:
         torch.testing.assert_close(g, want_grads[r.key], rtol=0, atol=0)
+
+
+def test_a_calls_keyword_arguments_are_handed_on_beside_its_positional_ones() -> None:
+    """transformers calls its attention by keyword (`self_attn(hidden_states=...)`): what a
+    module was handed is `(args, kwargs)`, so `watch` can tell an input that was not finite
+    whichever way it came (0.5 handed on the positional arguments only)."""
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    seen: list[recording.Inputs] = []
+    with Recorder({"lin": lin}, lambda r, t, m, inputs: seen.append(inputs)):
+        lin(input=x)
+        lin(x)
+    assert len(seen) == 2
+    (args, kwargs), (args2, kwargs2) = seen
+    assert args == () and kwargs.keys() == {"input"} and kwargs["input"] is x
+    assert len(args2) == 1 and args2[0] is x and kwargs2 == {}

@@ -22,7 +22,7 @@ import precision_annot as pa
 from precision_annot._src.cli import main
 from precision_annot._src.recording import relative_error
 from precision_annot._src.samples import projected_loss
-from precision_annot._src.watching import _measure, _stats
+from precision_annot._src.watching import _interleave, _measure, _stats
 
 
 class Amplifier(nn.Linear):
@@ -986,3 +986,127 @@ def test_diff_says_where_the_runs_routed_tokens_apart_not_that_fp32_is_not_finit
     assert len(apart) == 1 and all(f"'1.experts.{e}'" in apart[0] for e in moved)
     assert {n for n in (f"1.experts.{e}" for e in range(4))
             if math.isnan(report[n].output_error)} == {f"1.experts.{e}" for e in moved}
+
+
+class Handed(nn.Module):
+    """`second` handed the first Linear's output with an inf in it, by keyword (as transformers
+    calls its attention: `self_attn(hidden_states=...)`) or by position."""
+
+    def __init__(self, keyword: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+        self.keyword = keyword
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h = h.index_fill(1, torch.tensor([0]), torch.inf)  # code between modules makes an inf
+        out: torch.Tensor = self.second(input=h) if self.keyword else self.second(h)
+        return out
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_a_module_handed_inf_by_keyword_was_handed_it_as_by_position(keyword: bool) -> None:
+    """0.5: `second(input=h)` got in_nonfinite=0 and "keep it in fp32"; `second(h)` was
+    correctly said to be handed the values."""
+    model = pa.apply(Handed(keyword), default="bf16-true")
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=1) as w:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 8).bfloat16()).float().sum().backward()
+        w.step()
+    record = w.history[0]
+    assert record.first_nonfinite == "second" and record.outputs["second"].in_nonfinite == 1
+    assert record.outputs["second"].nonfinite == 4 * 8  # every output reads the inf
+    messages = [str(s.message) for s in said if "watch:" in str(s.message)]
+    assert len(messages) == 1 and "module 'second', the first to hold non-finite values " \
+        "(32), was handed them" in messages[0]
+    assert "fp32" not in messages[0]
+
+
+def overflowing() -> nn.Sequential:
+    """An fp16 model whose second Linear's output passes fp16's range on the first batch, its
+    weights finite: the step taken on that loss leaves every weight it reaches not finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[2].weight.fill_(2000.0)
+    return pa.apply(model, default="16-true")
+
+
+def test_weights_left_non_finite_by_a_step_on_an_overflowed_loss_are_said_so() -> None:
+    """A step taken on a loss that overflowed leaves the weights nan; 0.5 then said "keep '0'
+    in fp32" of the first module to use them. The parameters are read when the module runs (the
+    step that overflowed ran on finite weights, though they are nan by the time it ends)."""
+    model = overflowing()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as said, pa.watch(model, every=1) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 8, generator=gen).half() * 30).float().pow(2).mean()
+            loss.backward()
+            opt.step()  # taken whatever the loss: what a loop without a GradScaler does
+            w.step()
+    assert not torch.isfinite(model[0].weight).all()  # by hand: the step left them nan
+    messages = [str(s.message) for s in said if "watch:" in str(s.message)]
+    assert len(messages) == 2
+    assert "the output of module '2' reached" in messages[0] and "keep it in fp32" in messages[0]
+    assert "step 1: module '0', the first to hold non-finite values" in messages[1]
+    assert "computed them from weights that were already not finite" in messages[1]
+    assert "GradScaler" in messages[1] and "clip" in messages[1]
+    assert "keep it in fp32" not in messages[1] and "annotate" not in messages[1]
+    step0, step1 = w.history
+    assert step0.first_nonfinite == "2" and step0.outputs["2"].weights_nonfinite == 0
+    assert step0.outputs["2"].in_nonfinite == 0
+    assert step1.first_nonfinite == "0" and step1.outputs["0"].weights_nonfinite == 1
+    assert step1.outputs["0"].in_nonfinite == 0
+
+
+@pytest.mark.slow  # 12 s: transformers' import and a Trainer; the plain loop above in make test
+def test_a_hugging_face_trainer_run_whose_weights_went_nan_is_told_so(tmp_path: Path) -> None:
+    """A Llama from a small config, fp16 ("16-true"), its head planted past fp16's range: the
+    Trainer steps on the overflowed loss (its clipping turns the inf gradients into nan), and
+    the next step's first non-finite module is the embedding, whose weights are nan. 0.5 said
+    "keep 'model.embed_tokens' in fp32"."""
+    transformers = pytest.importorskip("transformers")
+    from precision_annot.adapters import transformers as hf
+    from tests.adapters.hf_models import build
+
+    torch.manual_seed(0)
+    model, batch = build("llama")
+    pa.apply(model, default="16-true")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3e5)  # finite weights (at most 2.5e4), logits past 65504
+    assert torch.isfinite(model.lm_head.weight).all()
+    rows = [{"input_ids": batch["input_ids"][i], "labels": batch["labels"][i]} for i in (0, 1)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, report_to=[],
+        use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=100,
+        log_level="error")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
+    callback = hf.watch_callback(trainer, every=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train()
+    assert not torch.isfinite(model.model.embed_tokens.weight).all()
+    messages = [str(s.message) for s in said if "watch:" in str(s.message)]
+    assert len(messages) == 2 and "'lm_head' reached" in messages[0]
+    assert "module 'model.embed_tokens', the first to hold non-finite values" in messages[1]
+    assert "weights that were already not finite" in messages[1]
+    assert "keep it in fp32" not in messages[1]
+    step0, step1 = callback.watch.history
+    assert step0.first_nonfinite == "lm_head" and step0.outputs["lm_head"].weights_nonfinite == 0
+    assert step1.first_nonfinite == "model.embed_tokens"
+    assert step1.outputs["model.embed_tokens"].weights_nonfinite == 1
+
+
+@pytest.mark.parametrize(("orders", "merged"), [
+    ([[0, 1, 5, 6], [0, 3, 4, 5, 6]], [0, 1, 3, 4, 5, 6]),  # rank 1's expert before its parent
+    ([[0, 5, 6], [0, 3, 5, 6], [0, 2, 5, 6, 7]], [0, 3, 2, 5, 6, 7]),
+    ([[], [2, 1]], [2, 1]),  # rank 0 ran nothing
+    ([[1, 2], [2, 1]], [1, 2]),  # two orders that disagree: the first rank's
+])
+def test_the_reduced_order_keeps_a_module_one_rank_ran_where_it_ran(
+        orders: list[list[int]], merged: list[int]) -> None:
+    assert _interleave(orders) == merged

@@ -6,7 +6,8 @@ another copy, records each module's output and the gradient of that output in bo
 returns each module's relative error in execution order: every call, every floating tensor
 returned, with the same random numbers in both runs. `.first` names the first module whose
 output error passes the tolerance: modules before it track fp32, so the precision is lost in
-it (the error then flows downstream).
+it (the error then flows downstream). A DTensor (tensor parallel) is compared whole: it is
+gathered (`full_tensor()`) on every rank.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from precision_annot._src.casting import cast_tree, map_tree
 from precision_annot._src.dtypes import bf16, dtype_name, fp16, fp32
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.recording import Recorder, Returned, drop_recorders, relative_error
+from precision_annot._src.recording import (
+    Inputs,
+    Recorder,
+    Returned,
+    drop_recorders,
+    dtensors,
+    relative_error,
+)
 from precision_annot._src.runtime import ModuleState, apply, plan_of, remove
 from precision_annot._src.samples import as_call, loss_of, projected_loss
 from precision_annot._src.tables import format_table
@@ -138,19 +146,18 @@ class _Run:
         self.unlike: dict[tuple[str, int, int], None] = {}  # (in the forward's order)
         self.recorder = Recorder(dict(model.named_modules()), self._output, self._grad)
 
-    def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, args: tuple[Any, ...]
-                ) -> None:
+    def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, inputs: Inputs) -> None:
         self.order.append(r)
         if self.against is None:
             self.outputs[r.key] = (self.outputs[r.same.key] if r.same is not None
-                                   else t.detach().clone())
+                                   else _whole(t.detach()).clone())
         elif r.same is not None:
             self.errors[r.key] = self.errors[r.same.key]
         else:
             got = self.against.outputs.get(r.key)
             if got is not None and got.shape != t.shape:
                 self.unlike[r.key] = None
-            self.errors[r.key] = _error(got, t.detach())
+            self.errors[r.key] = _error(got, _whole(t.detach()))
 
     def _grad(self, r: Returned, g: torch.Tensor) -> None:
         done = self.grads if self.against is None else self.grad_errors
@@ -159,11 +166,19 @@ class _Run:
         self.grad_order.append(r)
         if self.against is None:
             same = self.grads.get(r.same.key) if r.same is not None else None
-            self.grads[r.key] = same if same is not None else g.detach().clone()
+            self.grads[r.key] = same if same is not None else _whole(g.detach()).clone()
         elif r.same is not None and r.same.key in self.grad_errors:
             self.grad_errors[r.key] = self.grad_errors[r.same.key]
         else:
-            self.grad_errors[r.key] = _error(self.against.grads.get(r.key), g.detach())
+            self.grad_errors[r.key] = _error(self.against.grads.get(r.key), _whole(g.detach()))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole on this rank (`full_tensor()`: a collective, which every rank
+    of its mesh runs at the same hook, tensor parallelism running the same modules in the same
+    order on each), else `t`. Differentiable: the default loss projects whole outputs."""
+    tensor = dtensors()
+    return t.full_tensor() if tensor is not None and isinstance(t, tensor.DTensor) else t
 
 
 def _error(got: torch.Tensor | None, want: torch.Tensor | None) -> float | None:
@@ -196,7 +211,8 @@ def _run(model: nn.Module, sample: Any, loss_fn: Callable[[Any, Any], torch.Tens
     try:
         args, kwargs = as_call(sample)
         output = model(*args, **kwargs)
-        loss = loss_fn(output, sample) if loss_fn is not None else projected_loss(output)
+        loss = (loss_fn(output, sample) if loss_fn is not None
+                else projected_loss(map_tree(output, _whole)))
         if loss is not None and loss.requires_grad:
             loss.backward()  # type: ignore[no-untyped-call]
     finally:
@@ -291,10 +307,33 @@ def _same_randomness() -> Iterator[tuple[_SameDraws, Callable[[], None]]]:
 
 
 def _copy(model: nn.Module) -> nn.Module:
-    """A deep copy without the hooks a recorder (a running `watch`) put on the model."""
+    """A deep copy without the hooks a recorder (a running `watch`) put on the model, nor the
+    gradients the caller's last backward left (the runs make their own; a DTensor parameter's
+    would be cast with it to fp32, which torch refuses for a gradient of another dtype)."""
     copied = copy.deepcopy(model)
     drop_recorders(copied)
+    copied.zero_grad(set_to_none=True)
     return copied
+
+
+def _in_fp32(model: nn.Module) -> nn.Module:
+    """`model.to(fp32)`, its DTensor parameters made whole first.
+
+    NOTE: `remove` gives a parameter its old dtype by setting its `.data`; a DTensor takes the
+    new dtype so, but keeps its local tensor (torch 2.13 to 2.15), and `.to` then reads it as
+    cast already. Each such one is swapped for the DTensor of its local values in fp32 (the same
+    object: `torch.utils.swap_tensors`)."""
+    tensor = dtensors()
+    if tensor is not None:
+        for p in model.parameters():
+            if isinstance(p, tensor.DTensor) and p.to_local().dtype != p.dtype:
+                local = p.detach().to_local().to(fp32)
+                whole = tensor.DTensor.from_local(local, p.device_mesh, p.placements,
+                                                  run_check=False, shape=p.shape,
+                                                  stride=p.stride())
+                torch.utils.swap_tensors(  # type: ignore[no-untyped-call]
+                    p, nn.Parameter(whole, requires_grad=p.requires_grad))
+    return model.to(fp32)
 
 
 def _drop(model: nn.Module) -> None:
@@ -378,7 +417,7 @@ def diff(model: nn.Module, sample: Any, *,
     same in both whatever dtype they are drawn in; the caller's generators are left where they
     were), each on its own copy of `sample` (a KV cache the forward appends to is the
     caller's still). Every floating tensor every call of a module returns, and its gradient,
-    is compared between the two.
+    is compared between the two; a DTensor (tensor parallel) whole, gathered on every rank.
 
     Args:
         model: the model (seen through wrappers).
@@ -420,7 +459,7 @@ def diff(model: nn.Module, sample: Any, *,
         _drop(low)
         del low
         rewind()
-        reference = remove(_copy(inner)).to(fp32)
+        reference = _in_fp32(remove(_copy(inner)))
         with draws:
             exact = _run(reference, cast_tree(_own(sample), fp32), loss, planned)
         del reference

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 import weakref
 from collections import deque
@@ -29,7 +30,8 @@ from torch.utils.hooks import RemovableHandle
 
 from precision_annot._src.casting import floating_leaves
 
-__all__ = ["Recorder", "Returned", "drop_recorders", "in_backward", "relative_error"]
+__all__ = ["Inputs", "Recorder", "Returned", "drop_recorders", "dtensors", "in_backward",
+           "relative_error"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,8 +58,17 @@ class Returned:
         return self.name, self.call, self.index
 
 
-OnOutput = Callable[[Returned, torch.Tensor, nn.Module, tuple[Any, ...]], None]
+#: a call's positional and keyword arguments, `(args, kwargs)`
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+OnOutput = Callable[[Returned, torch.Tensor, nn.Module, Inputs], None]
 OnGrad = Callable[[Returned, torch.Tensor], None]
+
+
+def dtensors() -> Any:
+    """torch's DTensor module once something loaded it, else None: no DTensor exists before, so
+    a tensor-parallel output is told apart at no import cost (`watch` measures a DTensor on its
+    local shard, `diff` compares it whole)."""
+    return sys.modules.get("torch.distributed.tensor")
 
 
 def in_backward() -> bool:
@@ -130,7 +141,9 @@ class Recorder:
 
     Args:
         named: the modules, by the names they are recorded under.
-        on_output: `(returned, tensor, module, args)` for each floating tensor.
+        on_output: `(returned, tensor, module, (args, kwargs))` for each floating tensor: the
+            call's positional and keyword arguments both (transformers calls its attention
+            with `hidden_states=...`).
         on_grad: `(returned, gradient)` for each of those tensors that gets a gradient.
             (Default: None)
         training_only: record training forwards only. (Default: False)
@@ -222,11 +235,11 @@ class Recorder:
             if in_backward() and name in self.calls:
                 self._recomputed(name, made)
             else:  # (in backward: a first run not recorded, under no_grad outside any module)
-                self._returned(name, module, args, made)
+                self._returned(name, module, (args, kwargs), made)
 
         return post
 
-    def _returned(self, name: str, module: nn.Module, args: tuple[Any, ...],
+    def _returned(self, name: str, module: nn.Module, inputs: Inputs,
                   made: list[tuple[int, torch.Tensor]]) -> None:
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
@@ -236,11 +249,11 @@ class Recorder:
             if seen is not None and seen.holds(t):
                 returned = Returned(name, call, index, seen.owners[0])
                 seen.owners.append(returned)
-                self.on_output(returned, t, module, args)
+                self.on_output(returned, t, module, inputs)
                 continue
             returned = Returned(name, call, index)
             seen = self._seen[id(t)] = _Seen(t, returned)
-            self.on_output(returned, t, module, args)
+            self.on_output(returned, t, module, inputs)
             if self.on_grad is None:
                 continue
             if t.requires_grad:

@@ -8,7 +8,9 @@ their largest magnitude, how many values are past the point where one more doubl
 always against the dtype the tensor is held in (an fp16 module's output against fp16's 65504,
 an fp32 island's against fp32's). Steps in between install nothing, so they cost nothing. A
 module at its limit is said once, with the fix its measurements support. Under DDP or FSDP
-the statistics are reduced across ranks (the largest magnitude, summed counts).
+the statistics are reduced across ranks (the largest magnitude, summed counts). A DTensor
+(tensor parallel) is measured on this rank's local shard, and the record reduced across ranks
+holds the whole tensor's statistics.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
-from precision_annot._src.recording import Recorder, Returned
+from precision_annot._src.recording import Inputs, Recorder, Returned, dtensors
 from precision_annot._src.runtime import plan_of
 from precision_annot._src.tables import format_table
 from precision_annot._src.wrappers import compiled, unwrap
@@ -42,9 +44,11 @@ __all__ = ["Fp8Stats", "ModuleStats", "WatchRecord", "watch"]
 NEAR = 0.5
 #: the statistics kept per tensor, in this order: largest magnitude, past NEAR, below the
 #: smallest normal (not zero), not finite, elements, and for an output whether the module's
-#: (first floating) input held values that were not finite; a module's row merges its tensors
-#: (every call, every floating tensor returned) and counts them last
-_FIELDS = ("amax", "over", "under", "nonfinite", "numel", "in_nonfinite", "tensors")
+#: (first floating, positional or keyword) input held values that were not finite and whether
+#: its parameters did; a module's row merges its tensors (every call, every floating tensor
+#: returned) and counts them last
+_FIELDS = ("amax", "over", "under", "nonfinite", "numel", "in_nonfinite", "weights_nonfinite",
+           "tensors")
 #: the floating dtypes a reduced record can carry, by code
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2)
@@ -64,8 +68,16 @@ class ModuleStats:
         nonfinite: how many of the values are inf or nan.
         in_nonfinite: for outputs, 1 when the input of the first call that returned values
             not finite already held inf or nan (the module did not make those), else 0
-            (reduced across ranks: how many ranks' did).
+            (reduced across ranks: how many ranks' did). The input is the call's first
+            floating tensor, positional arguments first, then keyword ones.
         tensors: how many tensors the row merges (1: one call returning one floating tensor).
+        weights_nonfinite: for outputs, 1 when the module's parameters (its submodules'
+            included) already held inf or nan when that call ran, as an optimizer step on
+            gradients that were not finite leaves them, else 0 (reduced across ranks: how many
+            ranks' did).
+        sharded: whether a tensor of the row was a DTensor sharded across ranks (tensor
+            parallel), measured on this rank's local shard only; the record reduced across
+            ranks (rank "all") holds the whole tensor's statistics, and says False.
     """
 
     dtype: torch.dtype
@@ -75,6 +87,8 @@ class ModuleStats:
     nonfinite: int
     in_nonfinite: int = 0
     tensors: int = 1
+    weights_nonfinite: int = 0
+    sharded: bool = False
 
     @property
     def margin(self) -> float:
@@ -85,6 +99,7 @@ class ModuleStats:
         return {"dtype": dtype_name(self.dtype), "amax": self.amax, "over": self.over,
                 "under": self.under, "nonfinite": self.nonfinite,
                 "in_nonfinite": self.in_nonfinite, "tensors": self.tensors,
+                "weights_nonfinite": self.weights_nonfinite, "sharded": self.sharded,
                 "margin": self.margin}
 
 
@@ -195,6 +210,17 @@ class WatchRecord:
         return "\n".join([head, *format_table(rows, right={3, 4, 5, 6, 7})])
 
 
+class _Measured(NamedTuple):
+    """One tensor's statistics (`_FIELDS` but the last, a float64 tensor: no sync until read),
+    the dtype it is held in, and for a DTensor how many ranks hold the same local values
+    (`copies`: its replicas) and whether other ranks hold other parts of it (`sharded`)."""
+
+    dtype: torch.dtype
+    values: torch.Tensor
+    copies: int = 1
+    sharded: bool = False
+
+
 class _Step:
     """The recorder of one sampled step, and what it measures (tensors: no sync until read).
 
@@ -205,34 +231,83 @@ class _Step:
     def __init__(self, named: dict[str, nn.Module]) -> None:
         #: (module, statistics) per tensor, in the forward's order, and per gradient in the
         #: backward's
-        self.outputs: list[tuple[str, torch.dtype, torch.Tensor]] = []
-        self.grads: list[tuple[str, torch.dtype, torch.Tensor]] = []
-        self._measured: dict[Returned, tuple[torch.dtype, torch.Tensor]] = {}
-        self._grads: dict[Returned, tuple[torch.dtype, torch.Tensor]] = {}
+        self.outputs: list[tuple[str, _Measured]] = []
+        self.grads: list[tuple[str, _Measured]] = []
+        self._measured: dict[Returned, _Measured] = {}
+        self._grads: dict[Returned, _Measured] = {}
+        #: whether a module's parameters held values not finite, by module, and by parameter
+        #: (each read once a step)
+        self._weights: dict[int, torch.Tensor | None] = {}
+        self._params: dict[int, torch.Tensor | None] = {}
         self.fp8: dict[str, list[tuple[str, torch.dtype, torch.Tensor]]] = {}
         self.recorder = Recorder(named, self._output, self._grad, training_only=True)
 
-    def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, args: tuple[Any, ...]
-                ) -> None:
+    def _output(self, r: Returned, t: torch.Tensor, module: nn.Module, inputs: Inputs) -> None:
         if r.same is not None:
             entry = self._measured[r.same]
         else:
-            given = first_floating(args)
+            given = first_floating(inputs)
             given = None if given is None else given.detach()
             if given is not None and r.call == 0 and r.name not in self.fp8 and (
                     _is_fp8_linear(module)):
                 self.fp8[r.name] = _fp8_operands(module, given)
-            entry = self._measured[r] = (t.dtype, _measure(t.detach(), given))
-        self.outputs.append((r.name, *entry))
+            entry = self._measured[r] = _measured(t.detach(), given, self._weights_of(module))
+        self.outputs.append((r.name, entry))
 
     def _grad(self, r: Returned, g: torch.Tensor) -> None:
         entry = self._grads.get(r.same) if r.same is not None else None
         if entry is None:
-            entry = self._grads[r] = (g.dtype, _measure(g.detach()))
-        self.grads.append((r.name, *entry))
+            entry = self._grads[r] = _measured(g.detach())
+        self.grads.append((r.name, entry))
+
+    def _weights_of(self, module: nn.Module) -> torch.Tensor | None:
+        """Whether `module`'s parameters (its submodules' included) hold a value that is not
+        finite, as a bool tensor (None: it has no floating parameter)."""
+        key = id(module)
+        if key not in self._weights:
+            flags = [f for f in map(self._param, module.parameters()) if f is not None]
+            self._weights[key] = (torch.stack([f.to(flags[0].device) for f in flags]).any()
+                                  if flags else None)
+        return self._weights[key]
+
+    def _param(self, p: torch.Tensor) -> torch.Tensor | None:
+        key = id(p)
+        if key not in self._params:
+            local = _shard(p.detach())
+            plain = type(local) is torch.Tensor and local.is_floating_point()
+            if plain and local.element_size() == 1:
+                local = local.float()  # fp8: few kernels take it; exact in fp32
+            self._params[key] = ~torch.isfinite(local).all() if plain else None
+        return self._params[key]
 
     def close(self) -> None:
         self.recorder.close()
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (this rank's shard), else `t`."""
+    tensor = dtensors()
+    return t.to_local() if tensor is not None and isinstance(t, tensor.DTensor) else t
+
+
+def _measured(t: torch.Tensor, given: torch.Tensor | None = None,
+              weights: torch.Tensor | None = None) -> _Measured:
+    """`_measure` of `t`, a DTensor on its local shard. A DTensor whose placement is a pending
+    reduction (Partial: a gradient not summed yet) holds no values of its own on a rank, so it is
+    reduced first, as the op that reads it next would. Whether `given` held values that are not
+    finite is read on its local shard (a pending sum holds them whenever a part does)."""
+    given = None if given is None else _shard(given)
+    tensor = dtensors()
+    if tensor is None or not isinstance(t, tensor.DTensor):
+        return _Measured(t.dtype, _measure(t, given, weights))
+    d: Any = t
+    if any(p.is_partial() for p in d.placements):
+        d = d.redistribute(d.device_mesh, [tensor.Replicate() if p.is_partial() else p
+                                           for p in d.placements])
+    copies = math.prod(d.device_mesh.size(i) for i, p in enumerate(d.placements)
+                       if p.is_replicate())
+    return _Measured(t.dtype, _measure(d.to_local(), given, weights), copies,
+                     any(p.is_shard() for p in d.placements))
 
 
 def _is_fp8_linear(module: nn.Module) -> bool:
@@ -267,10 +342,11 @@ def _fp8_operands(module: nn.Module, given: torch.Tensor
     return out
 
 
-def _measure(t: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
+def _measure(t: torch.Tensor, given: torch.Tensor | None = None,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
     """The statistics of `_FIELDS` for one tensor (and whether the input `given` to the module
-    that made it held values that are not finite), as one float64 tensor: a handful of kernels,
-    no sync."""
+    that made it held values that are not finite, and `weights`: whether its parameters did),
+    as one float64 tensor: a handful of kernels, no sync."""
     finfo = torch.finfo(t.dtype)
     if t.element_size() == 1:  # fp8 (a quantizer's output): few kernels take it; exact in fp32
         t = t.float()
@@ -290,59 +366,89 @@ def _measure(t: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor
     size = torch.full((1,), float(numel), dtype=torch.float64, device=t.device)
     came = (torch.zeros(1, dtype=torch.float64, device=t.device) if given is None
             else torch.isnan((given * 0).sum()).double().reshape(1))  # inf * 0 is nan too
-    return torch.cat([amax, counts, size, came])
+    spoilt = (torch.zeros(1, dtype=torch.float64, device=t.device) if weights is None
+              else weights.to(t.device, torch.float64).reshape(1))
+    return torch.cat([amax, counts, size, came, spoilt])
 
 
 class _Row:
     """One module's tensors on one step, merged: the dtype and largest magnitude of the one
     closest to its dtype's limit, the counts summed (each tensor's against its own dtype), and
-    whether the input of the first call that held values not finite already held them."""
+    whether the input and the parameters of the first call that held values not finite
+    already held them. `shared` holds the counts as they add up across ranks: a DTensor's
+    replicas (ranks holding the same values) count once between them."""
 
-    def __init__(self, dtype: torch.dtype, values: list[float]) -> None:
-        self.dtype = dtype
+    def __init__(self, m: _Measured, values: list[float]) -> None:
+        self.dtype = m.dtype
         self.values = [*values, 1.0]  # _FIELDS: the tensors' statistics, then the tensors
+        self.shared = [v / m.copies for v in values[1:5]]  # over, under, nonfinite, numel
+        self.sharded = m.sharded
 
-    def add(self, dtype: torch.dtype, values: list[float]) -> None:
+    def add(self, m: _Measured, values: list[float]) -> None:
         mine = self.values
-        if _margin(values[0], dtype) > _margin(mine[0], self.dtype):
-            self.dtype, mine[0] = dtype, values[0]
+        if _margin(values[0], m.dtype) > _margin(mine[0], self.dtype):
+            self.dtype, mine[0] = m.dtype, values[0]
         if values[3] and not mine[3]:
-            mine[5] = values[5]
+            mine[5], mine[6] = values[5], values[6]
         for i in (1, 2, 3, 4):
             mine[i] += values[i]
-        mine[6] += 1.0
+            self.shared[i - 1] += values[i] / m.copies
+        mine[7] += 1.0
+        self.sharded = self.sharded or m.sharded
 
 
 def _margin(amax: float, dtype: torch.dtype) -> float:
     return amax / torch.finfo(dtype).max
 
 
-def _merged(events: list[tuple[str, torch.dtype, torch.Tensor]]
-            ) -> tuple[dict[str, _Row], str | None]:
+def _merged(events: list[tuple[str, _Measured]]) -> tuple[dict[str, _Row], str | None]:
     """Each module's row over a step's tensors (read in one transfer: one sync), in the order
     the modules first appear, and the module of the first tensor that held a value not
     finite."""
     if not events:
         return {}, None
-    values = torch.stack([v for _, _, v in events]).cpu().tolist()
+    values = torch.stack([m.values for _, m in events]).cpu().tolist()
     rows: dict[str, _Row] = {}
     first = None
-    for (name, dtype, _), v in zip(events, values, strict=True):
+    for (name, m), v in zip(events, values, strict=True):
         if first is None and v[3]:
             first = name
         row = rows.get(name)
         if row is None:
-            rows[name] = _Row(dtype, v)
+            rows[name] = _Row(m, v)
         else:
-            row.add(dtype, v)
+            row.add(m, v)
     return rows, first
 
 
-def _stats(dtype: torch.dtype, values: list[float]) -> ModuleStats:
-    amax, over, under, nonfinite, numel, given, tensors = values
+def _stats(dtype: torch.dtype, values: list[float], sharded: bool = False) -> ModuleStats:
+    amax, over, under, nonfinite, numel, given, weights, tensors = values
     n = max(numel, 1.0)
-    return ModuleStats(dtype, amax, over / n, under / n, int(nonfinite), int(given),
-                       int(tensors))
+    return ModuleStats(dtype, amax, over / n, under / n, round(nonfinite), round(given),
+                       round(tensors), round(weights), sharded)
+
+
+def _interleave(orders: list[list[int]]) -> list[int]:
+    """One order of the modules over every rank's own order (each a list of module indices):
+    the first rank's order is kept, and a module a rank ran that no rank before it did goes
+    right before the module that follows it in that rank's order (an expert only rank 1 ran
+    comes between the modules it ran between there, not after every module rank 0 ran)."""
+    end = -1  # a ring: succ[end] is the first module, pred[end] the last
+    succ, pred = {end: end}, {end: end}
+    for order in orders:
+        after = end
+        for module in reversed(order):
+            if module not in succ:  # not placed yet: right before the one after it here
+                before = pred[after]
+                succ[before], pred[module], succ[module], pred[after] = (
+                    module, before, after, module)
+            after = module
+    out = []
+    module = succ[end]
+    while module != end:
+        out.append(module)
+        module = succ[module]
+    return out
 
 
 _COMPILED = (
@@ -449,7 +555,9 @@ class watch:
         path: a JSON-lines file each sampled step is appended to (`precision-annot
             watch-report` reads it). (Default: None)
         reduce: under torch.distributed, also reduce each sampled step across ranks (the
-            largest magnitude, summed counts) into a record of rank "all". (Default: True)
+            largest magnitude, summed counts) into a record of rank "all": a DTensor's
+            statistics, measured on each rank's shard, become the whole tensor's there.
+            (Default: True)
         warn: say once per module, with the fix, when its output or gradient reaches half
             its dtype's largest value or is not finite. (Default: True)
         start: the index of the first step: a run resumed from a checkpoint taken after N
@@ -551,9 +659,10 @@ class watch:
                            for op, dtype, values in ops)
                for name, ops in current.fp8.items()}
         scale, skipped = (None, None) if self._skips is None else self._skips.read()
-        record = WatchRecord(self.index, {n: _stats(r.dtype, r.values) for n, r in outputs.items()},
-                             {n: _stats(r.dtype, r.values) for n, r in grads.items()}, first,
-                             first_grad, scale, skipped, rank, fp8)
+        record = WatchRecord(self.index,
+                             {n: _stats(r.dtype, r.values, r.sharded) for n, r in outputs.items()},
+                             {n: _stats(r.dtype, r.values, r.sharded) for n, r in grads.items()},
+                             first, first_grad, scale, skipped, rank, fp8)
         self._keep(record)
         if self.reduce and dist.is_available() and dist.is_initialized():
             self._keep(self._reduced(outputs, grads, record))
@@ -590,41 +699,49 @@ class watch:
 
     def _reduced(self, outputs: dict[str, _Row], grads: dict[str, _Row], mine: WatchRecord
                  ) -> WatchRecord:
-        """This step over every rank: the largest magnitude, summed counts. Every module of the
-        model has a row on every rank, so that the collectives line up even where a rank ran a
-        module the others skipped (an expert no token was routed to); the dtype travels as a
-        code, and a module no rank ran is left out."""
-        codes = list(_DTYPES)
-        index = {n: i for i, n in enumerate(self.named)}
-
-        def reduce(table: dict[str, _Row]) -> dict[str, ModuleStats]:
-            rows = torch.zeros(len(self.named), len(_FIELDS) + 2, dtype=torch.float64)
-            for name, row in table.items():
-                rows[index[name], : len(_FIELDS)] = torch.tensor(row.values)
-                rows[index[name], -2] = 1.0  # ran here
-                rows[index[name], -1] = float(codes.index(row.dtype) if row.dtype in codes
-                                              else 0)
-            amax = rows[:, :1].clone()
-            if dist.get_backend() == "nccl":  # its collectives take CUDA tensors only
-                device = torch.device("cuda", torch.cuda.current_device())
-                amax, rows = amax.to(device), rows.to(device)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
-            counts = rows[:, 1:-1].clone()
-            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-            code = rows[:, -1:].clone()
-            dist.all_reduce(code, op=dist.ReduceOp.MAX)
-            merged = torch.cat([amax, counts[:, :-1]], dim=1).cpu()
-            ran, code = counts[:, -1].cpu(), code[:, 0].cpu()
-            ordered = [*table, *(n for n in self.named if n not in table)]
-            return {n: _stats(codes[int(code[index[n]])], merged[index[n]].tolist())
-                    for n in ordered if ran[index[n]] > 0}
-
-        out = reduce(outputs)
-        back = reduce(grads)
+        """This step over every rank: the largest magnitude, summed counts (a DTensor's
+        replicas counted once). Every module of the model has a row on every rank, so that
+        the collectives line up even where a rank ran a module the others skipped (an expert
+        no token was routed to); the dtype travels as a code, and a module no rank ran is left
+        out. The modules keep the order they ran in (`_interleave`), so that the first module
+        that held values not finite is the first on the rank that ran it, wherever it ran."""
+        out = self._reduce(outputs)
+        back = self._reduce(grads)
         first = next((n for n in out if out[n].nonfinite), None)
         first_grad = next((n for n in back if back[n].nonfinite), None)
         return WatchRecord(mine.step, out, back, first, first_grad, mine.scale, mine.skipped,
                            "all")
+
+    def _reduce(self, table: dict[str, _Row]) -> dict[str, ModuleStats]:
+        codes = list(_DTYPES)
+        index = {n: i for i, n in enumerate(self.named)}
+        names = list(self.named)
+        # per module: amax | over, under, nonfinite, numel (as shared) | in_nonfinite,
+        # weights_nonfinite, tensors, ran | dtype code
+        rows = torch.zeros(len(names), 10, dtype=torch.float64)
+        position = torch.full((len(names),), -1, dtype=torch.int64)
+        for k, (name, row) in enumerate(table.items()):
+            v = row.values
+            code = codes.index(row.dtype) if row.dtype in codes else 0
+            rows[index[name]] = torch.tensor([v[0], *row.shared, v[5], v[6], v[7], 1.0, code])
+            position[index[name]] = k
+        if dist.get_backend() == "nccl":  # its collectives take CUDA tensors only
+            device = torch.device("cuda", torch.cuda.current_device())
+            rows, position = rows.to(device), position.to(device)
+        amax = rows[:, :1].clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        counts = rows[:, 1:9].clone()
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        dtypes = rows[:, 9].clone()
+        dist.all_reduce(dtypes, op=dist.ReduceOp.MAX)
+        positions = [torch.empty_like(position) for _ in range(dist.get_world_size())]
+        dist.all_gather(positions, position)
+        merged = torch.cat([amax, counts[:, :7]], dim=1).cpu().tolist()
+        ran, dtype = counts[:, 7].cpu().tolist(), dtypes.cpu().tolist()
+        orders = [sorted((i for i, k in enumerate(ranks) if k >= 0), key=ranks.__getitem__)
+                  for ranks in torch.stack(positions).cpu().tolist()]
+        return {names[i]: _stats(codes[int(dtype[i])], merged[i])
+                for i in _interleave(orders) if ran[i] > 0}
 
     def _say(self, record: WatchRecord) -> None:
         """Per direction, the first module at its limit in that direction's order, and the
@@ -659,11 +776,21 @@ class watch:
         key = repr(module)  # the root is '' in a rule
         what = (f"{s.nonfinite} non-finite values" if s.nonfinite else
                 f"{s.amax:.3g}, {s.margin:.0%} of {dtype_name(s.dtype)}'s largest value")
-        if kind == "output" and s.in_nonfinite:
+        if kind == "output" and s.nonfinite and s.in_nonfinite:
             return (f"watch: step {step}: module {where!r}, the first to hold non-finite "
                     f"values ({s.nonfinite}), was handed them: they come from its "
                     "input (the batch, or code that runs between modules), not from a "
                     "module's precision.")
+        if kind == "output" and s.nonfinite and s.weights_nonfinite:
+            return (f"watch: step {step}: module {where!r}, the first to hold non-finite "
+                    f"values ({s.nonfinite}), computed them from weights that were already "
+                    "not finite: an optimizer step was taken on gradients that were not finite "
+                    "(a loss or backward that overflowed, on an earlier step), and no "
+                    "precision of this module undoes that. Skip such steps: train with "
+                    "precision_annot.GradScaler, which skips them and lowers its scale, or "
+                    "step only when the loss and the gradients are finite; clip gradients "
+                    "that grow large (torch.nn.utils.clip_grad_norm_). Then resume from a "
+                    "checkpoint taken before the weights went non-finite.")
         if from_loss:
             return (f"watch: step {step}: the gradient the loss hands module {where!r}, the "
                     f"first of the backward, reached {what}: no module made it; scale the loss "
