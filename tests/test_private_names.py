@@ -680,8 +680,10 @@ class Scan:
 
 
 class _Scanner:
-    def __init__(self, mod: Module, own: set[str], own_classes: set[str], scan: Scan) -> None:
+    def __init__(self, mod: Module, own: set[str], own_classes: set[str], scan: Scan,
+                 defined: frozenset[str] = frozenset()) -> None:
         self.mod, self.own, self.own_classes = mod, own, own_classes
+        self.defined = defined  # the package's own functions, classes and module-level names
         self.reached = scan.reached[mod.name]
         self.named = scan.named[mod.name]
         self.parents = {child: node for node in ast.walk(mod.tree)
@@ -741,15 +743,20 @@ class _Scanner:
     def string(self, node: ast.Constant, text: str) -> None:
         if text.isidentifier():
             self.named.add(text)
+        if isinstance(self.parents.get(node), (ast.JoinedStr, ast.BinOp)):
+            return  # a piece of a longer string ("_amax" in f"{key}_amax"), no name
         if _DOTTED.fullmatch(text):  # a module path: "torch.distributed._composable..."
             for name in (p for p in text.split(".") if _private(p)):
                 self.named.add(name)
                 self.hit(name, node, f"module path {text!r}")
         if _private(text) and text.isidentifier() and text not in self.own \
-                and not text.startswith("_precision_annot"):
+                and text not in self.defined and not text.startswith("_precision_annot"):
+            # handed to getattr & co. here, or held in a constant or a tuple of names that
+            # reaches getattr elsewhere (`getattr(module, seams.CHECKPOINT_GENERATOR)`): a
+            # private identifier spelled as a string is reached either way
             consumer = self.attribute_named(node)
-            if consumer is not None:
-                self.hit(text, node, ast.unparse(consumer))
+            self.hit(text, node, ast.unparse(consumer) if consumer is not None
+                     else f"string {text!r}")
 
     def attribute_named(self, node: ast.Constant) -> ast.expr | None:
         """The expression that reads an attribute by this string, if any: `getattr(x, "_a")`
@@ -780,8 +787,12 @@ def scan_package() -> Scan:
     overridden = {name for mod in modules for name, _, _ in _overrides(mod)}
     own = _own_attributes(modules, overridden)
     own_classes = {n.name for m in modules for n in ast.walk(m.tree) if isinstance(n, ast.ClassDef)}
+    defined = {n.name for m in modules for n in ast.walk(m.tree)
+               if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defined |= {t.id for m in modules for s in m.tree.body if isinstance(s, ast.Assign)
+                for t in s.targets if isinstance(t, ast.Name)}
     for mod in modules:
-        _Scanner(mod, own, own_classes, scan).run()
+        _Scanner(mod, own, own_classes, scan, frozenset(defined)).run()
     return scan
 
 
@@ -843,10 +854,16 @@ def test_the_scan_sees_each_way_of_reaching_a_private_name(tmp_path: Path,
         "    module.__dict__.get('_compiled_call_impl')\n"
         "    Mine()._helper()\n"
         "    setattr(module, '_precision_annot_x', 1)\n"
-        "    return torch._C._current_graph_task_id(), 'torch.distributed._composable.x'\n")
+        "    return torch._C._current_graph_task_id(), 'torch.distributed._composable.x'\n"
+        "NAME = '_hidden_generator'\n"
+        "def g():\n"
+        "    for name in ('public', '_hidden_helper'):\n"
+        "        getattr(torch.utils.checkpoint, name, None)\n"
+        "    return getattr(torch.utils.checkpoint, NAME, None), f'{NAME}_amax'\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", package)
     reached = {(name, how.split(" ")[0]) for name, _, how in scan_package().reached["m"]}
     assert {name for name, _ in reached} == {
         "_python_dispatch", "_unscale_grads_", "_parameters", "_buffers",
-        "_compiled_call_impl", "_C", "_current_graph_task_id", "_composable"}
+        "_compiled_call_impl", "_C", "_current_graph_task_id", "_composable",
+        "_hidden_generator", "_hidden_helper"}  # names held in a constant or a tuple too
     assert ("_unscale_grads_", "override") in reached

@@ -3,6 +3,7 @@ stated, and each version seam takes the branch its torch needs, shown on that to
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -47,6 +48,15 @@ def test_the_floor_is_the_same_in_pyproject_the_lock_and_the_package() -> None:
     assert f"\ntorch=={'.'.join(map(str, seams.NEWEST))}\n" in lock
     assert "\ntorch==" not in (ROOT / "requirements" / "lock.txt").read_text()
     assert seams.FLOOR <= seams.TORCH, "the suite runs on a torch older than the floor"
+
+
+@pytest.mark.skipif("PA_EXPECT_TORCH" not in os.environ,
+                    reason="make test-floor and make test-newest name the torch they test")
+def test_the_suite_runs_on_the_torch_the_makefile_names() -> None:
+    """`make test-newest` on a venv that holds another torch would skip every test of the
+    newest torch's branches and pass: it names the torch it means, and this test fails."""
+    expected = os.environ["PA_EXPECT_TORCH"].removeprefix("torch==")
+    assert seams.parse(expected) == seams.TORCH, (torch.__version__, expected)
 
 
 _CALLED = """

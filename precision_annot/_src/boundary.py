@@ -31,7 +31,8 @@ from precision_annot._src.tags import tag_function
 
 __all__ = ["REGION_OBSERVERS", "Boundary", "BoundarySpec", "CastingDict", "DriftError",
            "ForwardState", "Planned", "Region", "RegionObserver", "autocast_context",
-           "cast_inputs", "device_type_of", "forward_state", "get_tensor", "in_applied_forward",
+           "cast_inputs", "device_type_of", "forward_state", "forward_state_restorer",
+           "get_tensor", "in_applied_forward",
            "keep_binding", "set_tensor", "wrap_function"]
 
 P = ParamSpec("P")
@@ -396,7 +397,7 @@ def forward_state() -> ForwardState | None:
     return ForwardState(model, tuple(caches) if caches else ())
 
 
-def _restorer() -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+def forward_state_restorer() -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
     """What a checkpoint starting now reruns its function under (see `recompute`)."""
     state = forward_state()
     return None if state is None else state.restored
@@ -482,7 +483,7 @@ class Boundary:
     def configure(self, spec: BoundarySpec | None, region: Region | None,
                   planned: tuple[Planned, ...], swap: Region | None = None) -> None:
         """Set what this boundary does; `spec=None` makes it a pass-through."""
-        recompute.install(_restorer)  # once: a checkpoint reruns under the forward's state
+        recompute.install(forward_state_restorer)  # once: checkpoints rerun under it
         self.spec = spec
         self.region = region
         self.swap = swap if swap is not None else region

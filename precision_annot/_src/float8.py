@@ -94,7 +94,8 @@ def kernel_refusal(gemm: Gemm, device: torch.device) -> str | None:
     key = (gemm.recipe, device.type)
     if key not in _KERNELS:
         # no random draw: a probe must not move the caller's random stream
-        layer = nn.utils.skip_init(nn.Linear, 64, 64, bias=False, device=device)
+        layer = nn.utils.skip_init(nn.Linear, 64, 64, bias=False,  # type: ignore[no-untyped-call,unused-ignore]
+                                   device=device)
         values = torch.linspace(-1, 1, 64 * 64, device=device).reshape(64, 64)
         with torch.no_grad():
             layer.weight.copy_(values)

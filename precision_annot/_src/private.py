@@ -351,11 +351,11 @@ BACKENDS: tuple[PrivateName, ...] = (
        "`module` property", "None: the class has no public name."),
     # -- transformers --------------------------------------------------------------------------
     _N("transformers.PreTrainedModel._keep_in_fp32_modules",
-       ("adapters.deepspeed.buffers", "adapters.transformers"),
+       ("_src.resolution", "adapters.deepspeed.buffers", "adapters.transformers"),
        "the modules transformers (and DeepSpeed's `keep_in_fp32_modules='auto'`) keep in fp32",
        "None: no accessor; DeepSpeed reads the same attribute."),
     _N("transformers.PreTrainedModel._keep_in_fp32_modules_strict",
-       ("adapters.deepspeed.buffers", "adapters.transformers"),
+       ("_src.resolution", "adapters.deepspeed.buffers", "adapters.transformers"),
        "as `_keep_in_fp32_modules`, in fp32 even under another dtype",
        "None: no accessor."),
     _N("transformers.PreTrainedModel._no_split_modules", ("adapters.transformers",),

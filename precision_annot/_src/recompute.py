@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,11 @@ Capture = Callable[[], "Callable[[], contextlib.AbstractContextManager[Any]] | N
 
 _REENTRANT = "CheckpointFunction"
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
+#: DeepSpeed's own activation checkpointing (`deepspeed.checkpointing`), which reruns through
+#: its own CheckpointFunction and `non_reentrant_checkpoint`, not torch's
+_DEEPSPEED = "deepspeed.runtime.activation_checkpointing.checkpointing"
+_DEEPSPEED_ALIAS = "deepspeed.checkpointing"
+_DEEPSPEED_NON_REENTRANT = "non_reentrant_checkpoint"
 
 
 class CheckpointSupportError(RuntimeError):
@@ -110,6 +116,7 @@ def install(capture: Capture) -> None:
     if _refused:
         raise _refused[0]
     if _capture:
+        _install_deepspeed()  # imported since the last apply, maybe
         return
     module = torch.utils.checkpoint
     generator: Callable[..., Any] | None = getattr(module, seams.CHECKPOINT_GENERATOR, None)
@@ -132,15 +139,91 @@ def install(capture: Capture) -> None:
         composable = None
     else:
         setattr(composable, seams.CHECKPOINT_GENERATOR, without_reentrant)
-    missed = _probe()
+    try:
+        missed = _probe_apart()
+    except BaseException:
+        missed = None
+        raise
+    finally:
+        if missed != []:  # refused, or the probe itself failed: torch's own names back
+            setattr(module, seams.CHECKPOINT_GENERATOR, generator)
+            setattr(module, _REENTRANT, reentrant)
+            if composable is not None:
+                setattr(composable, seams.CHECKPOINT_GENERATOR, generator)
+            _capture.clear()
     if missed:
-        setattr(module, seams.CHECKPOINT_GENERATOR, generator)
-        setattr(module, _REENTRANT, reentrant)
-        if composable is not None:
-            setattr(composable, seams.CHECKPOINT_GENERATOR, generator)
-        _capture.clear()
         raise _refused_for(f"a {' and a '.join(missed)} checkpoint reran without the state "
                            "captured when it started")
+    _install_deepspeed()
+
+
+_deepspeed: list[object] = []  # DeepSpeed's checkpointing module, once its names are wrapped
+
+#: the device types whose autocast state a DeepSpeed rerun restores
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _captured_with_autocast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`_captured` for DeepSpeed's checkpoints, which, unlike torch's, do not restore autocast
+    for their rerun: inside an applied forward (whose boundaries enter autocast) the rerun
+    enters the autocast state of the checkpoint's start too."""
+    if torch.compiler.is_compiling():
+        return fn
+    restored = _current()()
+    if restored is None:
+        return fn  # outside an applied forward DeepSpeed's checkpoint is left as it is
+    modes = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+             for d in _AUTOCAST_DEVICES if torch.amp.is_autocast_available(d)]
+
+    @contextlib.contextmanager
+    def under() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in modes:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            stack.enter_context(restored())
+            yield
+
+    return _under(fn, under)
+
+
+def _install_deepspeed() -> None:
+    """DeepSpeed's activation checkpointing reruns under the captured state too, once DeepSpeed
+    has imported it: its `CheckpointFunction` (what `deepspeed.checkpointing.checkpoint`
+    applies, looked up at each call) and its `non_reentrant_checkpoint`, also where
+    `deepspeed.checkpointing` holds it. Where DeepSpeed has renamed them, a warning says that
+    its checkpointed regions of an applied model would rerun without the boundaries' state."""
+    module = sys.modules.get(_DEEPSPEED)
+    if module is None or _deepspeed:
+        return
+    _deepspeed.append(module)
+    reentrant = getattr(module, _REENTRANT, None)
+    non_reentrant = getattr(module, _DEEPSPEED_NON_REENTRANT, None)
+    if not isinstance(reentrant, type) or not callable(non_reentrant):
+        warnings.warn(
+            f"precision_annot: this DeepSpeed's {_DEEPSPEED} has no {_REENTRANT} or "
+            f"{_DEEPSPEED_NON_REENTRANT}; a region of an applied model checkpointed with "
+            "deepspeed.checkpointing would rerun in backward without its boundaries' state, and "
+            "its gradients would be another computation's. Checkpoint with "
+            "torch.utils.checkpoint instead.", RuntimeWarning, stacklevel=3)
+        return
+
+    class CheckpointFunction(reentrant):  # type: ignore[misc,valid-type]
+        __doc__ = reentrant.__doc__
+
+        @classmethod
+        def apply(cls, function: Callable[..., Any], *args: Any) -> Any:
+            return super().apply(_captured_with_autocast(function), *args)
+
+    CheckpointFunction.__module__ = reentrant.__module__
+
+    def checkpointed(function: Callable[..., Any], *args: Any) -> Any:
+        return non_reentrant(_captured_with_autocast(function), *args)
+
+    setattr(module, _REENTRANT, CheckpointFunction)
+    setattr(module, _DEEPSPEED_NON_REENTRANT, checkpointed)
+    alias = sys.modules.get(_DEEPSPEED_ALIAS)
+    if alias is not None and getattr(alias, _DEEPSPEED_NON_REENTRANT, None) is non_reentrant:
+        setattr(alias, _DEEPSPEED_NON_REENTRANT, checkpointed)
 
 
 def _refused_for(what: str) -> CheckpointSupportError:
@@ -152,6 +235,28 @@ def _refused_for(what: str) -> CheckpointSupportError:
         f"torch it was tested on ({seams.tested()}).")
     _refused.append(error)
     return error
+
+
+def _probe_apart() -> list[str]:
+    """`_probe` in a thread of its own, so that nothing of the caller's thread reaches it or
+    is changed by it: grad and inference mode, autocast, saved-tensor hooks (a user's pack
+    hook would see the probe's tensors) are all per thread. A CPU backward runs in the thread
+    that calls it."""
+    found: list[list[str]] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            found.append(_probe())
+        except BaseException as e:  # handed to the caller's thread below
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="precision_annot-checkpoint-probe")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return found[0]
 
 
 def _probe() -> list[str]:
@@ -166,9 +271,9 @@ def _probe() -> list[str]:
             reruns.append(torch.is_grad_enabled())
             yield
 
-        x = torch.ones(2, requires_grad=True)
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(
                 "cpu", enabled=False):
+            x = torch.ones(2, requires_grad=True)
             _local.probe = lambda: (lambda: marked())
             try:
                 y = torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=reentrant)

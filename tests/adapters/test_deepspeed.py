@@ -739,3 +739,29 @@ def test_check_says_what_deepspeed_does_to_buffers_as_two_ranks_measure(tmp_path
                         assert found["warning"].modules == ("model.layers.1.mlp.gate",)
                         assert "planned bf16, fp32 instead" in found["warning"].message
                         assert '"auto" (DeepSpeed\'s default)' in found["warning"].message
+
+
+def test_check_reads_a_hugging_face_auto_bf16_section_as_to_config_does() -> None:
+    """A Hugging Face style config, `"bf16": {"enabled": "auto"}` (the Trainer fills it; the
+    docs say to_config fills it from the plan, and to_config reads it as true): check says
+    nothing of the buffers DeepSpeed will hold other than planned, where with `true` it gives
+    the warning (the router bias kept fp32 by "auto") and, with buffer_dtype bf16, the error
+    (the fp32 rotary tables narrowed to bf16)."""
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("transformers")
+    from precision_annot.adapters import deepspeed as dsa
+    from tests.workers.deepspeed import deepseek_v3
+
+    plan = resolve(deepseek_v3(), default="bf16-true")
+    base = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert dsa.to_config(plan, {"bf16": {"enabled": "auto"}})["bf16"] == {"enabled": True}
+    for extra in ({}, {"data_types": {"buffer_dtype": "bf16"}}):
+        def said(enabled: Any, extra: dict[str, Any] = extra) -> list[str]:
+            config = {**base, "bf16": {"enabled": enabled}, **extra}
+            return sorted(f.severity for f in check(plan, "deepspeed", config)
+                          if f.code == "deepspeed-buffers")
+        assert said(True) in (["warning"], ["error", "warning"])
+        assert said("auto") == said(True), (extra, said("auto"), said(True))
+
+

@@ -158,7 +158,7 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
     out += drift(plan, "comm", actual, code="deepspeed-zero0-comm" if stage == 0 else
                  "deepspeed-comm", backend="DeepSpeed", cause=cause, fix=fix)
     out += _advice(dsp, config, stage)
-    out += buffer_findings(dsp.plan, config)
+    out += buffer_findings(dsp.plan, _auto_sections_filled(config, dsp))
     out += _misspelt(config)
     return out
 
@@ -390,6 +390,22 @@ _NARROWED = f"so DeepSpeed rounds them to fewer bits than the plan gives them ({
 _SIDEWAYS = f"so DeepSpeed holds them in another dtype than the plan gives them ({_DRIFT})"
 _WIDENED = ("so the modules that read them compute with fp32 values where the plan gives them "
             f"{{planned}} ones ({_DRIFT})")
+
+
+def _auto_sections_filled(config: dict[str, Any], dsp: DeepSpeedPlan) -> dict[str, Any]:
+    """The config with `"enabled": "auto"` in its bf16 and fp16 sections read as `to_config`
+    fills them from the plan (and the Hugging Face Trainer from the same run's settings): on
+    for the low dtype the plan stores everything in, off otherwise."""
+    auto = [s for s in ("bf16", "fp16")
+            if config_section(config, s).get("enabled") == "auto"]
+    if not auto:
+        return config
+    stored = next(iter(dsp.storages)) if dsp.case == "low_storage" else None
+    filled = dict(config)
+    for section in auto:
+        on = stored == (bf16 if section == "bf16" else fp16)
+        filled[section] = {**config_section(config, section), "enabled": on}
+    return filled
 
 
 def buffer_findings(plan: PrecisionPlan, config: dict[str, Any]) -> list[Finding]:
