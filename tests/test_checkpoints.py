@@ -225,8 +225,8 @@ def test_missing_unexpected_and_reshaped_tensors_are_what_load_state_dict_refuse
 
 
 def test_a_checkpoint_is_read_without_its_tensor_data(tmp_path: Path) -> None:
-    """The data is made unreadable (DCP's data files deleted, a safetensors file cut after its
-    header, a torch.save file's data records cut out): the dtypes are still read."""
+    """The data is made unreadable (DCP's data files deleted, a safetensors file's data replaced
+    by a hole, a torch.save file's data records cut out): the dtypes are still read."""
     import json
     import struct
     import zipfile
@@ -246,7 +246,9 @@ def test_a_checkpoint_is_read_without_its_tensor_data(tmp_path: Path) -> None:
         save_file({k: bf16_state[k] for k in keys}, str(tmp_path / "hf" / shard))
         raw = (tmp_path / "hf" / shard).read_bytes()
         (length,) = struct.unpack("<Q", raw[:8])
-        (tmp_path / "hf" / shard).write_bytes(raw[:8 + length])  # the header alone
+        with (tmp_path / "hf" / shard).open("wb") as f:  # the header, then a hole for the data
+            f.write(raw[:8 + length])
+            f.truncate(len(raw))
     (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: s for s, ks in shards.items() for k in ks}}))
     torch.save(bf16_state, tmp_path / "full.pt")
@@ -470,3 +472,111 @@ def test_masters_saved_by_parameter_index_are_counted_not_called_missing(tmp_pat
         found = check(plan, "checkpoint", {"path": tmp_path / "run.pt"})
         assert [(f.severity, f.code) for f in found] == [expected], dtype
         assert "4 master copies keyed by the optimizer's parameter index" in found[0].message
+
+
+# -- PEFT adapters -----------------------------------------------------------------------------
+
+def llama(layers: int = 2, hidden: int = 16) -> nn.Module:
+    """A Llama of a small configuration (random weights, no hub)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
+
+
+def lora_adapter(path: Path, dtype: torch.dtype = fp32, **config: Any) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA adapter of `llama()` (q_proj and v_proj), trained to random values (B starts
+    at zero), saved by PEFT's `save_pretrained`; its tensors, by the names PEFT saved them."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    model = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                               **config))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.normal_()
+    model.to(dtype).save_pretrained(str(path))
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+LORA_MODULES = tuple(f"model.layers.{i}.self_attn.{p}" for i in (0, 1)
+                     for p in ("q_proj", "v_proj"))
+
+
+def test_a_peft_adapter_is_read_as_weights_peft_model_from_pretrained_adds(tmp_path: Path) -> None:
+    """0.5 called a LoRA adapter `checkpoint-foreign` (an error; the CLI: exit status 1), though
+    PeftModel.from_pretrained loads it bit for bit: its keys are LoRA weights beside the base
+    model's modules, not the model's own tensors."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    saved_lora = lora_adapter(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(llama(), str(tmp_path / "adapter"))
+    own = {k.replace(".default", ""): v for k, v in loaded.state_dict().items()}
+    assert all(torch.equal(own[k], v) for k, v in saved_lora.items())  # bit for bit
+    for base in (llama(), apply(llama(), default="bf16-true")):
+        found = check(base, "checkpoint", {"path": tmp_path / "adapter"})
+        assert [(f.severity, f.code) for f in found] == [("info", "checkpoint-adapter")]
+        assert found[0].modules == LORA_MODULES
+        assert "a PEFT LORA adapter (its adapter_config.json): 8 tensor(s) in fp32" in (
+            found[0].message) and "PeftModel.from_pretrained(model, path)" in found[0].message
+    # checked against the PeftModel it makes, each adapter tensor is one of the model's own
+    assert check(loaded, "checkpoint", {"path": tmp_path / "adapter"}) == []
+
+
+def test_a_peft_adapter_is_compared_where_the_model_holds_its_tensors(tmp_path: Path) -> None:
+    """The adapter's copy of a module (`modules_to_save`) is a tensor of the base model, and
+    its LoRA weights are tensors of the PeftModel: each compared as any checkpoint's tensor."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    lora_adapter(tmp_path / "fp32", modules_to_save=["lm_head"])
+    lora_adapter(tmp_path / "bf16", dtype=bf16, modules_to_save=["lm_head"])
+    base = llama()
+    precision(fp32)(base.lm_head)
+    found = check(apply(base, default="bf16-true"), "checkpoint", {"path": tmp_path / "bf16"})
+    assert [(f.code, f.module) for f in found if f.severity != "info"] == [
+        ("checkpoint-narrowed", "lm_head")]
+    found = check(apply(llama(), default="bf16-true"), "checkpoint", {"path": tmp_path / "fp32"})
+    assert [(f.code, f.module) for f in found] == [("checkpoint-widened", "lm_head"),
+                                                   ("checkpoint-adapter", "")]
+    loaded = PeftModel.from_pretrained(llama(), str(tmp_path / "fp32"))
+    assert check(loaded, "checkpoint", {"path": tmp_path / "fp32"}) == []
+    found = check(loaded, "checkpoint", {"path": tmp_path / "bf16"})  # into its fp32 LoRA
+    narrowed = sorted(f.message.split("'")[3] for f in found)
+    assert {f.code for f in found} == {"checkpoint-narrowed"} and narrowed == sorted(
+        [f"base_model.model.{m}.lora_{ab}.default.weight" for m in LORA_MODULES for ab in "AB"]
+        + ["base_model.model.lm_head.modules_to_save.default.weight"])
+
+
+def test_a_peft_adapter_of_another_model_is_judged_as_peft_loads_it(tmp_path: Path) -> None:
+    """Each finding against what PeftModel.from_pretrained does with the adapter: refuses one
+    for another model, drops a layer's weights the model lacks without a word, refuses LoRA
+    weights of another width."""
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    lora_adapter(tmp_path / "adapter")
+    other = nn.Sequential(nn.Linear(16, 16))
+    found = check(other, "checkpoint", {"path": tmp_path / "adapter"})
+    assert [(f.severity, f.code) for f in found] == [("error", "checkpoint-foreign")]
+    with pytest.raises(ValueError, match="not found in the base model"):
+        PeftModel.from_pretrained(other, str(tmp_path / "adapter"))
+
+    found = check(llama(layers=1), "checkpoint", {"path": tmp_path / "adapter"})
+    assert [(f.severity, f.code) for f in found] == [("warning", "checkpoint-unexpected"),
+                                                     ("info", "checkpoint-adapter")]
+    assert "model.layers.1.self_attn" in found[0].message and found[1].modules == LORA_MODULES[:2]
+    shallow = PeftModel.from_pretrained(llama(layers=1), str(tmp_path / "adapter"))
+    assert not [n for n in shallow.state_dict() if "layers.1." in n]  # dropped, silently
+
+    found = check(llama(hidden=32), "checkpoint", {"path": tmp_path / "adapter"})
+    assert [(f.severity, f.code) for f in found] == [("error", "checkpoint-shape")] * 8 + [
+        ("info", "checkpoint-adapter")]
+    assert "'model.layers.0.self_attn.q_proj.lora_A.weight' with shape [4, 16]" in (
+        found[0].message)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        PeftModel.from_pretrained(llama(hidden=32), str(tmp_path / "adapter"))

@@ -235,7 +235,7 @@ def test_check_exit_status_gates_on_errors(tmp_path: Path,
     assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["lightning-no-plugin"]
     assert main(["check", target, "--backend", "fsdp", "--config", trainer]) == 2
     assert ("unknown key 'precision'; valid: ['units', 'merge_below', 'latency_s', 'bandwidth', "
-            "'grad_scaler', 'optimizer', 'fp8']") in capsys.readouterr().err
+            "'gradient_sync', 'grad_scaler', 'optimizer', 'fp8']") in capsys.readouterr().err
     for backend in ("deepspeed", "lightning"):  # a missing file is bad input, not a finding
         assert main(["check", target, "--backend", backend, "--config", "gone.json"]) == 2
         assert "--config: no file at 'gone.json'" in capsys.readouterr().err
@@ -364,3 +364,53 @@ def test_check_of_a_broken_or_foreign_checkpoint_exits_as_its_findings_say(
     assert main(["check", target, "--backend", "checkpoint", "--config",
                  str(tmp_path / "optim.pt")]) == 1
     assert "[checkpoint-foreign]" in capsys.readouterr().out
+
+
+def test_check_of_a_hostile_checkpoint_is_exit_status_2_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/checkpoints.md promises a ValueError naming the file, exit status 2: 0.5 exited 3
+    with a traceback on a shard that is a symlink loop (OSError), a record declaring 2^40 bytes
+    (MemoryError) and DCP metadata whose entry has no properties (AttributeError)."""
+    import pickle
+    import struct
+    import zipfile
+
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    (tmp_path / "islands.py").write_text(ISLANDS)
+    target = f"{tmp_path / 'islands.py'}:make"
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "a.safetensors").symlink_to("a.safetensors")
+    with zipfile.ZipFile(tmp_path / "declared.pt", "w") as archive:
+        archive.writestr("declared/data.pkl", b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b".")
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={
+        "w": TensorStorageMetadata(properties=None, size=torch.Size([2]), chunks=[])})))
+    for path, named in [(tmp_path / "loop", tmp_path / "loop" / "a.safetensors"),
+                        (tmp_path / "declared.pt", tmp_path / "declared.pt"),
+                        (tmp_path / "dcp", tmp_path / "dcp" / ".metadata")]:
+        capsys.readouterr()
+        assert main(["check", target, "--backend", "checkpoint", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and err.splitlines()[-1].startswith(
+            f"precision-annot: error: checkpoint: {str(named)!r} "), err
+
+
+def test_check_of_a_peft_adapter_names_its_loader_without_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """0.5: checkpoint-foreign, exit status 1, on an adapter PeftModel.from_pretrained loads."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    (tmp_path / "islands.py").write_text(ISLANDS)
+    target = f"{tmp_path / 'islands.py'}:make"
+    from torch import nn
+
+    base = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    get_peft_model(base, LoraConfig(r=2, target_modules=["0", "2"])).save_pretrained(
+        str(tmp_path / "adapter"))
+    capsys.readouterr()
+    assert main(["check", target, "--backend", "checkpoint", "--config",
+                 str(tmp_path / "adapter")]) == 0
+    out = capsys.readouterr().out
+    assert "PeftModel.from_pretrained" in out and out.rstrip().endswith("[checkpoint-adapter]")

@@ -12,8 +12,9 @@ import re
 
 import torch
 
-__all__ = ["CHECKPOINT_GENERATOR", "FLOOR", "FSDP2_GRAD_DTYPE", "FSDP2_KEEPS_PARAM_DTYPE",
-           "FSDP2_REDUCES_IN_GRAD_DTYPE", "FSDP2_TP_REDUCE_DTYPE", "NEWEST",
+__all__ = ["CHECKPOINT_GENERATOR", "CUDA_BFX9", "FLOOR", "FSDP2_GRAD_DTYPE",
+           "FSDP2_KEEPS_PARAM_DTYPE", "FSDP2_REDUCES_IN_GRAD_DTYPE", "FSDP2_TP_REDUCE_DTYPE",
+           "NEWEST",
            "QUEUE_CALLBACK_PUBLIC", "TORCH", "at_least", "fsdp2_default_reduce", "parse",
            "queue_callback", "tested"]
 
@@ -94,3 +95,10 @@ QUEUE_CALLBACK_PUBLIC = at_least(2, 15)
 queue_callback = (torch.autograd.graph.queue_callback  # type: ignore[attr-defined,unused-ignore]
                   if QUEUE_CALLBACK_PUBLIC
                   else torch.autograd.Variable._execution_engine.queue_callback)
+
+
+# -- GEMM arithmetic ------------------------------------------------------------------------------
+
+#: `torch.backends.cuda.matmul.fp32_precision = "bfx9"`: fp32 GEMMs emulated with bf16 pieces
+#: on CUDA (torch 2.15)
+CUDA_BFX9 = at_least(2, 15)

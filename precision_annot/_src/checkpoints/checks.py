@@ -26,6 +26,11 @@ read as it renames them: for a Hugging Face model (given as the model, not its p
 goes through transformers' own conversions, as `from_pretrained` reads it (ViT's
 `encoder.layer.0` is the model's `layers.0`; per-expert weights fuse into one tensor, whose
 shape is then not compared).
+
+A PEFT adapter (a folder with `adapter_config.json`) is read as what it is, adapter weights for
+`PeftModel.from_pretrained`: the base model's tensors it holds (`modules_to_save`) are compared
+as above, its own weights where the plan's model holds them (a `PeftModel`), else named by the
+modules they adapt (one info) and checked against those modules' shapes (`adapter_findings`).
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ from typing import Any
 import torch
 
 from precision_annot._src.check_backend import CheckBackend, Checked
-from precision_annot._src.checkpoints.reading import Saved, saved_tensors
+from precision_annot._src.checkpoints.reading import Saved, adapter_config, saved_tensors
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.findings import Finding, listing
 from precision_annot._src.plan import PrecisionPlan, TensorInfo, parent_name
 from precision_annot._src.runtime import Subject
 
-__all__ = ["CHECKS", "KEY_MAPS", "CheckpointChecks", "checkpoint_findings", "loaded_keys"]
+__all__ = ["CHECKS", "KEY_MAPS", "CheckpointChecks", "adapter_findings", "checkpoint_findings",
+           "loaded_keys"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,26 +117,32 @@ def checkpoint_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], where: 
     if planned and not counts:
         return [_foreign(planned, saved, where)]
     prefix = _prefix(planned, saved)
-    masters = _masters(planned, saved)
     out: list[Finding] = _ambiguous(counts, prefix, where)
+    missing = [name for name, want in planned.items() if prefix + name not in saved
+               and (want.info.tied is None or prefix + want.info.tied not in saved)]
+    out += _compared(plan, planned, saved, prefix, where, merged)
+    out += _missing(missing, where) + _unexpected(planned, saved, prefix, where)
+    return out
+
+
+def _compared(plan: PrecisionPlan, planned: Mapping[str, _Planned], saved: Mapping[str, Saved],
+              prefix: str, where: str, merged: frozenset[str]) -> list[Finding]:
+    """Each tensor of the model the checkpoint holds (under `prefix`), compared with what the
+    plan keeps: shapes, kinds, dtypes, and masters where the plan keeps them."""
+    masters = _masters(planned, saved)
+    out: list[Finding] = []
     widened: dict[tuple[torch.dtype, torch.dtype], list[str]] = {}
-    missing: list[str] = []
     no_master: list[str] = []
     for name, want in planned.items():
         got = saved.get(prefix + name)
-        if got is None:
-            tie = want.info.tied
-            if tie is None or prefix + tie not in saved:
-                missing.append(name)
-        elif got.dtype is not None:  # a dtype torch has none for (F4): present, not compared
-            if got.shape != want.info.shape and prefix + name not in merged:
-                out.append(_shape(name, got, want, where))
-                continue
-            out += _tensor(name, got.dtype, want, masters.get(name), where, widened, no_master)
-    out += _widened(widened, where) + _missing(missing, where) + _no_masters(
-        plan, no_master, planned, where, _indexed_masters(saved))
-    out += _unexpected(planned, saved, prefix, where)
-    return out
+        if got is None or got.dtype is None:  # a dtype torch has none for (F4): not compared
+            continue
+        if got.shape != want.info.shape and prefix + name not in merged:
+            out.append(_shape(name, got, want, where))
+            continue
+        out += _tensor(name, got.dtype, want, masters.get(name), where, widened, no_master)
+    return out + _widened(widened, where) + _no_masters(plan, no_master, planned, where,
+                                                        _indexed_masters(saved))
 
 
 def _tensor(name: str, dtype: torch.dtype, want: _Planned, master: Saved | None, where: str,
@@ -308,6 +320,174 @@ def _ambiguous(counts: Mapping[str, int], prefix: str, where: str) -> list[Findi
         "Load the copy you mean by its prefix (state[...] before load_state_dict).")]
 
 
+# -- PEFT adapters ------------------------------------------------------------------------------
+
+#: the prefix PEFT gives every key of an adapter of a model (`PeftModel.base_model.model`)
+_PEFT_PREFIX = "base_model.model."
+#: the parts of a PEFT model's tensor names its saved adapter leaves out: a wrapped layer's
+#: `base_layer`, the adapter's name ("default", `PeftModel.from_pretrained`'s), the copy
+#: `modules_to_save` trains
+_PEFT_PARTS = frozenset({"base_layer", "modules_to_save", "default"})
+#: each LoRA tensor's dimension that is the base weight's ([out, in] for a Linear, [num, dim] for
+#: an Embedding): (suffix, its dimension, the base weight's)
+_LORA_DIMS = ((".lora_A.weight", 1, 1), (".lora_B.weight", 0, 0),
+              (".lora_embedding_A", 1, 0), (".lora_embedding_B", 0, 1))
+
+
+def _peft_model(planned: Mapping[str, object]) -> bool:
+    """Whether the plan is of a model PEFT wrapped (a `PeftModel`, or a model after
+    `inject_adapter_in_model`): its names hold PEFT's layers."""
+    return any(name.startswith(_PEFT_PREFIX) or ".base_layer." in name for name in planned)
+
+
+def _peft_name(name: str, peft: bool) -> str | None:
+    """A tensor or module name of the plan's model as a PEFT adapter saves it; None for the
+    frozen copy `modules_to_save` keeps beside the trained one (never saved)."""
+    if not peft:
+        return name
+    parts = name.removeprefix(_PEFT_PREFIX).split(".")
+    if "original_module" in parts:
+        return None
+    return ".".join(p for p in parts if p not in _PEFT_PARTS)
+
+
+def _adapter_key(key: str) -> str:
+    """A saved adapter key, as `_peft_name` gives the model's names."""
+    return ".".join(p for p in key.removeprefix(_PEFT_PREFIX).split(".") if p != "base_layer")
+
+
+def adapter_findings(plan: PrecisionPlan, saved: Mapping[str, Saved], config: Mapping[str, Any],
+                     where: str) -> list[Finding]:
+    """What `PeftModel.from_pretrained(model, path)` would load of a PEFT adapter (`saved`, with
+    its `adapter_config.json` as `config`) into the plan's model: the tensors of the model it
+    holds (`modules_to_save`, a trained embedding) compared as any checkpoint's; its own adapter
+    tensors compared where the plan's model holds them (a `PeftModel`), else read as weights
+    added beside the modules they adapt, checked against those modules' shapes."""
+    planned = _planned(plan)
+    peft = _peft_model(planned)
+    names: dict[str, str] = {}
+    for name in planned:
+        form = _peft_name(name, peft)
+        if form is not None:
+            names.setdefault(form, name)
+    ours: dict[str, Saved] = {}
+    added: dict[str, Saved] = {}
+    for key, value in saved.items():
+        form = _adapter_key(key)
+        if form in names:
+            ours[names[form]] = value
+        else:
+            added[form] = value
+    out = _compared(plan, planned, ours, "", where, frozenset())
+    trained = [n for n in planned if peft and "default" in n.split(".") and n not in ours]
+    out += _missing(trained, where)
+    return out + _added(plan, planned, added, config, where, peft)
+
+
+def _adapted(modules: Mapping[str | None, str], key: str, targets: object) -> str | None:
+    """The module of the plan's model an adapter tensor is added to: the longest module name
+    its key starts with (of `modules`, by their names as PEFT saves them), followed by the
+    adapter's own one or two parts (`lora_A.weight`, `lora_embedding_A`), and named by the
+    config's `target_modules` where it lists names (PEFT's rule: the name, or its last parts)."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, max(len(parts) - 3, 0), -1):
+        module = modules.get(".".join(parts[:i]))
+        if module is not None and not parts[i].isdigit() and _targeted(parts[:i], targets):
+            return module
+    return None
+
+
+def _targeted(parts: list[str], targets: object) -> bool:
+    if not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        return True  # a pattern (not matched here: a config's regex is not run), or none
+    name = ".".join(parts)
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _added(plan: PrecisionPlan, planned: Mapping[str, _Planned], added: Mapping[str, Saved],
+           config: Mapping[str, Any], where: str, peft: bool) -> list[Finding]:
+    """The adapter's own tensors, which the plan's model does not hold: where they go."""
+    if not added:
+        return []
+    kind = str(config.get("peft_type", "PEFT"))
+    if "num_virtual_tokens" in config:  # prompt learning: weights of virtual tokens, no module
+        return [_adapter_info(kind, list(added), [], added, where)]
+    names = {_peft_name(name, peft): name for name in plan if name}
+    modules: dict[str, str] = {}
+    homeless = []
+    for key in added:
+        module = _adapted(names, key, config.get("target_modules"))
+        if module is None:
+            homeless.append(key)
+        else:
+            modules[key] = module
+    if not modules:
+        return [_foreign_adapter(kind, homeless, len(planned), where)]
+    out = [_adapter_info(kind, list(modules), list(dict.fromkeys(modules.values())), added,
+                         where)]
+    out += _lora_shapes(planned, modules, added, config, where)
+    if homeless:
+        out.append(Finding(
+            "warning", "checkpoint-unexpected", "",
+            f"{where} holds {len(homeless)} {kind} adapter tensor(s) for modules the model does "
+            f"not have ({listing(homeless)}): PeftModel.from_pretrained loads adapters with "
+            "strict=False and drops them without a word.",
+            "Check that the adapter was trained on this model's configuration (its number of "
+            "layers)."))
+    return out
+
+
+def _adapter_info(kind: str, keys: list[str], modules: list[str], added: Mapping[str, Saved],
+                  where: str) -> Finding:
+    dtypes = sorted({dtype_name(added[k].dtype) for k in keys if added[k].dtype is not None})
+    on = (f" on {len(modules)} of the model's modules ({listing(modules)})" if modules else
+          " (weights of virtual tokens, on no module)")
+    return Finding(
+        "info", "checkpoint-adapter", modules[0] if len(modules) == 1 else "",
+        f"{where} is a PEFT {kind} adapter (its adapter_config.json): {len(keys)} tensor(s) "
+        f"in {', '.join(dtypes) or 'no dtype torch has'}{on}, which PeftModel.from_pretrained("
+        "model, path) adds beside them. They are no tensors of this model, so the plan keeps no "
+        "dtype for them to compare with.",
+        "Load it with peft's PeftModel.from_pretrained (or model.load_adapter), not "
+        "load_state_dict; to compare its tensors with a plan, check the PeftModel it makes.",
+        tuple(modules))
+
+
+def _foreign_adapter(kind: str, keys: list[str], count: int, where: str) -> Finding:
+    return Finding(
+        "error", "checkpoint-foreign", "",
+        f"{where} is a PEFT {kind} adapter whose {len(keys)} tensor(s) adapt no module of the "
+        f"model ({listing(keys)}; the model has {count} tensor(s)): PeftModel.from_pretrained "
+        "refuses it (\"Target modules ... not found in the base model\").",
+        "Check the adapter of this model (its base_model_name_or_path).")
+
+
+def _lora_shapes(planned: Mapping[str, _Planned], modules: Mapping[str, str],
+                 added: Mapping[str, Saved], config: Mapping[str, Any], where: str
+                 ) -> list[Finding]:
+    """LoRA's A and B against the weight they adapt: A's input size is the weight's, B's output
+    size is (transposed where `fan_in_fan_out`, as GPT-2's Conv1D keeps its weight)."""
+    flip = bool(config.get("fan_in_fan_out"))
+    out = []
+    for key, module in modules.items():
+        base = planned.get(f"{module}.weight")
+        shape = added[key].shape
+        for suffix, dim, base_dim in _LORA_DIMS:
+            if not (key.endswith(suffix) and base is not None and len(base.info.shape) == 2
+                    and len(shape) == 2):
+                continue
+            want = base.info.shape[1 - base_dim if flip and "embedding" not in suffix
+                                   else base_dim]
+            if shape[dim] != want:
+                out.append(Finding(
+                    "error", "checkpoint-shape", module,
+                    f"{where} holds {key!r} with shape {list(shape)}, and the weight it adapts "
+                    f"is {list(base.info.shape)}: size {shape[dim]} where {want} fits. "
+                    "PeftModel.from_pretrained refuses it (\"size mismatch\").",
+                    "Load an adapter trained on this model's configuration."))
+    return out
+
+
 #: how a checkpoint's keys become the model's tensor names for a loader that renames them, by
 #: the package of the model's class: "module:function", imported only for such a model (as
 #: `check_backend.REGISTRY` names backends). The function takes the model and the keys, and
@@ -360,9 +540,12 @@ class CheckpointChecks(CheckBackend):
 
     def run(self, given: Subject, options: Any) -> Checked:
         path = options["path"]
+        where = f"The checkpoint {str(path)!r}"
+        adapter = adapter_config(path)
+        if adapter is not None:
+            return Checked(adapter_findings(given.plan, saved_tensors(path), adapter, where))
         saved, merged = loaded_keys(given.model, saved_tensors(path))
-        return Checked(checkpoint_findings(given.plan, saved, f"The checkpoint {str(path)!r}",
-                                           merged))
+        return Checked(checkpoint_findings(given.plan, saved, where, merged))
 
 
 CHECKS = CheckpointChecks()

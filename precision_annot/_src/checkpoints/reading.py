@@ -1,10 +1,13 @@
 """What a checkpoint holds, read without its tensor data: each tensor's dtype and shape, by key.
 
 - `torch.distributed.checkpoint`: a directory with a `.metadata` file, read as DCP's own reader
-  reads it but with only DCP's metadata classes allowed (no other code of the file runs).
-- safetensors: a `.safetensors` file (its JSON header), a `*.safetensors.index.json` index of
-  shards, or a directory holding either (Hugging Face's `save_pretrained`); a directory of
-  `pytorch_model*.bin` files (or their `*.bin.index.json`), read as `torch.save` files.
+  reads it (a pickle), each of DCP's metadata classes a stand-in keeping its pickled state (no
+  code of the file, nor of DCP's classes, runs).
+- safetensors: a `.safetensors` file (its JSON header, checked as safetensors checks it: each
+  tensor's dtype, shape and byte range, the ranges tiling the data), a `*.safetensors.index.json`
+  index of shards, or a directory holding either (Hugging Face's `save_pretrained`, PEFT's
+  `adapter_model.safetensors`); a directory of `pytorch_model*.bin` files (or their
+  `*.bin.index.json`), read as `torch.save` files.
 - `torch.save`: a zip file, read from its pickle record alone (`data.pkl`), or a file in the
   legacy format (`_use_new_zipfile_serialization=False`), read from its pickles before the
   storages: tensors are seen by their dtype and shape (tensor subclasses such as torchao's by
@@ -13,26 +16,30 @@
   `nn.Module` as its state dict.
 
 Nested dictionaries are flattened with ".", as DCP flattens them: `{"model": {"fc.weight": t}}`
-reads as `"model.fc.weight"`. Whatever the path holds that this cannot read is a `ValueError`
-naming the file and what was expected.
+reads as `"model.fc.weight"`; an object reached by several paths is read once, under the first.
+The work and memory are bounded by the size of the files read (`pickles` walks each pickle
+before it is read; a zip record declared larger than its file is not inflated). Whatever the
+path holds that this cannot read is a `ValueError` naming the file and what was expected.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import pickle
+import stat
 import struct
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 import torch
 
-__all__ = ["MAX_HEADER", "Saved", "saved_tensors"]
+from precision_annot._src.checkpoints import pickles
+
+__all__ = ["MAX_HEADER", "SAFETENSORS_BITS", "Saved", "adapter_config", "saved_tensors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,29 +66,57 @@ MAX_HEADER = 100_000_000
 
 
 def saved_tensors(path: str | os.PathLike[str]) -> dict[str, Saved]:
-    """Every tensor a checkpoint at `path` holds, by its flattened key, read without its data.
+    """Every tensor a checkpoint at `path` holds, by its flattened key, read without its data,
+    in time and memory bounded by the size of the files read.
 
     Raises:
-        ValueError: for a path that holds no checkpoint this reads, naming what it looks for,
-            or a file that is not the checkpoint its name says (a corrupt header, an index
-            naming shards that are not there).
+        ValueError: naming the file, for a path that holds no checkpoint this reads (naming
+            what it looks for), a file that is not the checkpoint its name says (a corrupt header,
+            an index naming shards that are not there), one that declares more than it holds (a
+            length past its end, a zip bomb, objects nested or shared past any checkpoint's), or
+            one that cannot be read at all (a symlink loop, no permission).
     """
-    where = Path(path)
-    if where.is_dir():
+    try:
+        return _read(Path(path), path)
+    except OSError as e:
+        raise ValueError(
+            f"checkpoint: {str(e.filename or path)!r} cannot be read ({type(e).__name__}: "
+            f"{e.strerror or e}).") from e
+
+
+def _read(where: Path, path: str | os.PathLike[str]) -> dict[str, Saved]:
+    try:
+        mode = where.stat().st_mode
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint: no file or directory at {str(path)!r}.") from None
+    if stat.S_ISDIR(mode):
         return _directory(where, path)
-    if not where.is_file():
-        raise ValueError(f"checkpoint: no file or directory at {str(path)!r}.")
     if where.name.endswith(".index.json"):
         return _index(where)
     return _file(where)
+
+
+def _size(file: Path) -> int:
+    """The size of a regular file (not a FIFO, which would block a read, nor a device)."""
+    status = file.stat()
+    if not stat.S_ISREG(status.st_mode):
+        raise ValueError(f"checkpoint: {str(file)!r} is not a regular file (a directory, FIFO, "
+                         "socket or device), so it holds no checkpoint this reads.")
+    return status.st_size
 
 
 def _file(where: Path) -> dict[str, Saved]:
     return _safetensors(where) if where.suffix == ".safetensors" else _torch_save(where)
 
 
+def _present(file: Path) -> bool:
+    """Whether anything is at `file`, a broken or looping symlink included (read, it says why
+    it cannot be)."""
+    return file.is_symlink() or file.exists()
+
+
 def _directory(where: Path, path: str | os.PathLike[str]) -> dict[str, Saved]:
-    if (where / ".metadata").is_file():
+    if _present(where / ".metadata"):
         return _dcp(where)
     for pattern in ("safetensors", "bin"):  # Hugging Face's layouts, safetensors first
         indexes = sorted(where.glob(f"*.{pattern}.index.json"))
@@ -101,9 +136,55 @@ def _directory(where: Path, path: str | os.PathLike[str]) -> dict[str, Saved]:
         "Hugging Face's *.bin files or their *.bin.index.json.")
 
 
+def _json(file: Path, raw: bytes | str, said: str) -> Any:
+    """JSON from a checkpoint's file (a header, an index): anything `json` refuses, nesting past
+    its recursion included, is a ValueError naming the file and saying `said`."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"checkpoint: {str(file)!r} is not {said} "
+                         f"({type(e).__name__}: {str(e)[:200]}).") from e
+
+
+def _small_text(file: Path, what: str) -> str:
+    """A JSON file beside a checkpoint (an index, an adapter's config), refused past
+    `MAX_HEADER` bytes before it is read."""
+    size = _size(file)
+    if size > MAX_HEADER:
+        raise ValueError(f"checkpoint: {str(file)!r} is not {what}: it holds {size} bytes, and "
+                         f"this reads such files up to {MAX_HEADER}.")
+    return file.read_bytes().decode("utf-8", errors="replace")
+
+
+def adapter_config(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The `adapter_config.json` of a PEFT adapter at `path` (its directory, or a file in it),
+    None where there is none: its tensors are adapter weights of a base model, for
+    `PeftModel.from_pretrained`, not a state dict of the model.
+
+    Raises:
+        ValueError: for an `adapter_config.json` that is not a JSON object.
+    """
+    where = Path(path)
+    try:
+        folder = where if where.is_dir() else where.parent
+        file = folder / "adapter_config.json"
+        if not _present(file):
+            return None
+        config = _json(file, _small_text(file, "a PEFT adapter's config"),
+                       "a PEFT adapter's config: not JSON")
+    except OSError as e:
+        raise ValueError(f"checkpoint: {str(e.filename or path)!r} cannot be read "
+                         f"({type(e).__name__}: {e.strerror or e}).") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"checkpoint: {str(file)!r} is not a PEFT adapter's config: a JSON "
+                         f"{type(config).__name__}, not an object.")
+    return config
+
+
 # -- DCP ----------------------------------------------------------------------------------------
 
-#: the classes DCP's `.metadata` pickle names (torch 2.x), the only ones it is read with
+#: the classes DCP's `.metadata` pickle names (torch 2.x): each read as a stand-in that keeps the
+#: state pickled for it, so that neither the file's code nor these classes' own runs
 _DCP_CLASSES = frozenset({
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -114,54 +195,112 @@ _DCP_CLASSES = frozenset({
 
 def _layout(name: object) -> object:
     """`torch.serialization._get_layout`: a layout by its name ("torch.strided")."""
-    value = getattr(torch, str(name).rpartition(".")[2], None)
+    value = vars(torch).get(name.rpartition(".")[2]) if isinstance(name, str) else None
     return value if isinstance(value, torch.layout) else _StandIn()
 
 
-class _DCPMetadata(pickle.Unpickler):
-    """Reads DCP's `.metadata` as `FileSystemReader.read_metadata` does (a pickle), with DCP's
-    metadata classes, dtypes, sizes and layouts only: any other name is a stand-in, so a
-    `.metadata` that names code does not run it.
+def _dtype(module: str, name: str) -> torch.dtype | None:
+    """`torch.<dtype>` as a pickle names it (read from torch's namespace, never imported)."""
+    value = vars(torch).get(name) if module == "torch" else None
+    return value if isinstance(value, torch.dtype) else None
 
-    NOTE: DCP's metadata classes are imported by name, private ones (`_StorageInfo`,
-    `_MEM_FORMAT_ENCODING`) included, because they are what its pickle holds."""
+
+class _DCPMetadata(pickle.Unpickler):
+    """Reads DCP's `.metadata` as `FileSystemReader.read_metadata` does (a pickle), each of DCP's
+    metadata classes a stand-in of that name holding its pickled state (`_Named`), dtypes,
+    layouts and sizes as themselves, and any other name a plain stand-in: no code runs."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _DCP_CLASSES:
-            return getattr(importlib.import_module(module), name)
-        if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            return _DCP_STANDINS[(module, name)]
+        if (module, name) == ("torch", "Size"):
+            return tuple
         if (module, name) == ("torch.serialization", "_get_layout"):
             return _layout
-        return _StandIn
+        dtype = _dtype(module, name)
+        return _StandIn if dtype is None else dtype
 
 
 def _dcp(directory: Path) -> dict[str, Saved]:
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
     file = directory / ".metadata"
-    try:
-        with file.open("rb") as f:
-            metadata = _DCPMetadata(f).load()
-        items = metadata.state_dict_metadata.items() if isinstance(metadata, Metadata) else None
-    except _UNREADABLE as e:
-        raise ValueError(f"checkpoint: {str(file)!r} is not DCP metadata this reads "
-                         f"({type(e).__name__}: {e}).") from e
-    if items is None:
+    size = _size(file)
+    with file.open("rb") as f:
+        try:
+            metadata = pickles.load(_DCPMetadata, f, size)
+        except _UNREADABLE as e:
+            raise ValueError(f"checkpoint: {str(file)!r} is not DCP metadata this reads "
+                             f"({_why(e)}).") from e
+    entries = metadata.field("state_dict_metadata") if _is(metadata, "Metadata") else None
+    if not isinstance(entries, Mapping):
         raise ValueError(f"checkpoint: {str(file)!r} is not DCP metadata: it holds "
-                         f"{type(metadata).__name__}, not torch.distributed.checkpoint's "
-                         "Metadata.")
-    return {key: Saved(item.properties.dtype, tuple(item.size)) for key, item in items
-            if isinstance(item, TensorStorageMetadata)}
+                         f"{_described(metadata)}, not torch.distributed.checkpoint's Metadata "
+                         "of a state dict.")
+    out = {}
+    for key, item in entries.items():
+        if _is(item, "BytesStorageMetadata"):
+            continue
+        saved = _dcp_tensor(item)
+        if saved is None or not isinstance(key, str):
+            raise ValueError(
+                f"checkpoint: {str(file)!r} is not DCP metadata this reads: its entry "
+                f"{_key(key)!r} is {_described(item)}, not a tensor's metadata (a dtype and a "
+                "size) nor bytes'.")
+        out[key] = saved
+    return out
+
+
+def _dcp_tensor(item: object) -> Saved | None:
+    """A `TensorStorageMetadata`'s dtype (its properties' first field, as `TensorProperties`
+    pickles itself, or a field by name) and size; None for anything else."""
+    if not _is(item, "TensorStorageMetadata"):
+        return None
+    properties = item.field("properties")
+    state = properties.state if _is(properties, "TensorProperties") else None
+    dtype = (state[0] if isinstance(state, tuple) and state else
+             state.get("dtype") if isinstance(state, Mapping) else None)
+    shape = _shape(item.field("size"))
+    return Saved(dtype, shape) if isinstance(dtype, torch.dtype) and shape is not None else None
+
+
+def _is(value: object, name: str) -> TypeGuard[_Named]:
+    return isinstance(value, _Named) and value.named[1] == name
+
+
+def _described(value: object) -> str:
+    if isinstance(value, _Named):
+        return f"a {'.'.join(value.named)}"
+    if isinstance(value, _StandIn):
+        return "an object of a class other than DCP's"
+    return f"a {type(value).__name__}"
 
 
 # -- safetensors ---------------------------------------------------------------------------------
 
+#: the bits of one element of each dtype the safetensors format names (`Dtype::bitsize` of its
+#: reader): any other name is one safetensors refuses
+SAFETENSORS_BITS: dict[str, int] = {
+    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8,
+    "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16,
+    "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64,
+    "U64": 64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One tensor of a safetensors header, with the bytes its header says it spans."""
+
+    saved: Saved
+    begin: int
+    end: int
+    bits: int  # its elements' bits, all together
+
+
 def _safetensors(file: Path) -> dict[str, Saved]:
-    """The header of a safetensors file: 8 bytes of little-endian length, then JSON."""
-    size = file.stat().st_size
+    """The header of a safetensors file (8 bytes of little-endian length, then JSON), checked
+    as safetensors checks it before it loads a tensor: each entry's dtype, shape and
+    `data_offsets`, the tensors' bytes tiling the data after the header exactly."""
+    size = _size(file)
     with file.open("rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -175,38 +314,89 @@ def _safetensors(file: Path) -> dict[str, Saved]:
                     f"safetensors refuses headers over {MAX_HEADER} bytes") + " (a corrupt or "
                 "truncated file).")
         raw = f.read(length)
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"checkpoint: {str(file)!r} is not a safetensors file: its header "
-                         f"is not JSON ({e}).") from e
+    header = _json(file, raw, "a safetensors file: its header is not JSON")
     if not isinstance(header, dict):
         raise ValueError(f"checkpoint: {str(file)!r} is not a safetensors file: its header is "
                          f"a JSON {type(header).__name__}, not an object of tensors.")
-    return {key: _entry(file, key, item) for key, item in header.items()
-            if key != "__metadata__"}
+    _metadata(file, header.get("__metadata__"))
+    entries = {key: _entry(file, key, item) for key, item in header.items()
+               if key != "__metadata__"}
+    _tiled(file, entries, size - 8 - length)
+    return {key: entry.saved for key, entry in entries.items()}
 
 
-def _entry(file: Path, key: str, item: object) -> Saved:
-    """One tensor of a safetensors header: {"dtype": "BF16", "shape": [..], ...}."""
-    shape = item.get("shape") if isinstance(item, dict) else None
-    dtype = item.get("dtype") if isinstance(item, dict) else None
-    if not (isinstance(dtype, str) and isinstance(shape, list) and all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
-        raise ValueError(
-            f"checkpoint: {str(file)!r} is not a safetensors file: its header's entry "
-            f"{key!r} is not a tensor's (an object with a 'dtype' name and a 'shape' list of "
-            f"sizes). Received: {str(item)[:200]}")
-    return Saved(SAFETENSORS_DTYPES.get(dtype), tuple(shape))
+def _not_safetensors(file: Path, said: str) -> ValueError:
+    return ValueError(f"checkpoint: {str(file)!r} is not a safetensors file: {said}; "
+                      "safetensors refuses to load it too.")
+
+
+def _metadata(file: Path, metadata: object) -> None:
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(v, str) for v in metadata.values())):
+        raise _not_safetensors(file, "its header's '__metadata__' is not an object of strings")
+
+
+def _sizes(value: object, length: int | None = None) -> tuple[int, ...] | None:
+    """A JSON list of sizes (non-negative integers, `length` of them where given)."""
+    if not isinstance(value, list) or (length is not None and len(value) != length):
+        return None
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value):
+        return None
+    return tuple(value)
+
+
+def _entry(file: Path, key: str, item: object) -> _Entry:
+    """One tensor of a safetensors header: {"dtype": "BF16", "shape": [..], "data_offsets":
+    [begin, end]}."""
+    fields = item if isinstance(item, dict) else {}
+    dtype, shape = fields.get("dtype"), _sizes(fields.get("shape"))
+    offsets = _sizes(fields.get("data_offsets"), 2)
+    if not (isinstance(dtype, str) and shape is not None and offsets is not None):
+        raise _not_safetensors(
+            file, f"its header's entry {key!r} is not a tensor's (an object with a 'dtype' name, "
+            "a 'shape' list of sizes and 'data_offsets' [begin, end], non-negative integers). "
+            f"Received: {str(item)[:200]}")
+    if dtype not in SAFETENSORS_BITS:
+        raise _not_safetensors(
+            file, f"its header's entry {key!r} has dtype {dtype!r}, none of safetensors' "
+            f"({', '.join(SAFETENSORS_BITS)})")
+    count = 1
+    for n in shape:  # stops growing past any file's size (a shape of 2^40 x 2^40)
+        count = min(count * n, 1 << 64)
+    return _Entry(Saved(SAFETENSORS_DTYPES.get(dtype), shape), offsets[0], offsets[1],
+                  count * SAFETENSORS_BITS[dtype])
+
+
+def _tiled(file: Path, entries: Mapping[str, _Entry], data: int) -> None:
+    """The tensors' byte ranges, in order, tile the `data` bytes after the header: each starts
+    where the one before ends, ends at or after it starts, spans its elements' bytes, and the
+    last ends at the end of the file (safetensors' `Metadata::validate` and its check of the
+    buffer's length)."""
+    start = 0
+    for key, entry in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        span = f"its header's entry {key!r} spans bytes [{entry.begin}, {entry.end}]"
+        if entry.end < entry.begin:
+            raise _not_safetensors(file, f"{span}: it ends before it begins")
+        if entry.begin != start:
+            raise _not_safetensors(file, f"{span}, and the tensor before it ends at {start}: "
+                                   "tensors " + ("overlap" if entry.begin < start else
+                                                 "leave a gap"))
+        if entry.bits % 8 or entry.bits // 8 != entry.end - entry.begin:
+            raise _not_safetensors(
+                file, f"{span} ({entry.end - entry.begin} bytes), and its dtype and shape "
+                f"{list(entry.saved.shape)} take {entry.bits} bits")
+        start = entry.end
+    if start != data:
+        raise _not_safetensors(
+            file, f"its tensors end at byte {start} of its data, and the file holds {data} "
+            "bytes after the header (" + ("truncated" if start > data else "bytes no tensor "
+                                          "covers") + ")")
 
 
 def _index(index: Path) -> dict[str, Saved]:
     """The shards an index names, each header read once."""
-    try:
-        data = json.loads(index.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"checkpoint: {str(index)!r} is not a checkpoint index: not JSON "
-                         f"({e}).") from e
+    data = _json(index, _small_text(index, "a checkpoint index"),
+                 "a checkpoint index: not JSON")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
             isinstance(v, str) for v in weight_map.values()):
@@ -214,7 +404,7 @@ def _index(index: Path) -> dict[str, Saved]:
             f"checkpoint: {str(index)!r} is not a checkpoint index: it needs a 'weight_map' "
             "object of tensor names to shard files, as save_pretrained writes it.")
     shards = sorted(set(weight_map.values()))
-    absent = [s for s in shards if not (index.parent / s).is_file()]
+    absent = [s for s in shards if not _present(index.parent / s)]
     if absent:
         raise ValueError(
             f"checkpoint: the index {str(index)!r} names {len(absent)} of its {len(shards)} "
@@ -229,37 +419,85 @@ def _index(index: Path) -> dict[str, Saved]:
 
 # -- torch.save ----------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
 class _Storage:
-    dtype: torch.dtype
+    """A storage `torch.save` names: its dtype (its bytes are never read)."""
 
+    __slots__ = ("dtype",)
 
-class _StandIn(dict):  # type: ignore[type-arg]
-    """Whatever a checkpoint's pickle names other than tensors and containers: a class (so that
-    pickle may build it, by call or by `__new__`), its instances filled and set up as pickle
-    asks, holding nothing but the state pickle gives them (a module's `__dict__`)."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
-        return super().__new__(cls)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__()
-
-    __hash__ = object.__hash__  # type: ignore[assignment]
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
 
     def __setstate__(self, state: Any) -> None:
-        for part in state if isinstance(state, tuple) else (state,):  # (dict, slots)
-            if isinstance(part, Mapping):
-                self.update(part)
+        pass
+
+
+class _Tensor:
+    """A tensor as the pickle builds it; `Saved` once read (the pickle cannot set it up)."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, saved: Saved) -> None:
+        self.saved = saved
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _StandIn:
+    """Whatever a checkpoint's pickle names other than tensors and containers: a class (so that
+    pickle may build it, by call or by `__new__`), its instances holding the state pickle sets
+    them up with (a module's `__dict__`, kept, not copied: one state may be shared by a million
+    of them) and the items pickle puts in them (a dict subclass's), hashed and compared by
+    identity."""
+
+    __slots__ = ("items", "state")
+    items: dict[Any, Any]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _StandIn:
+        self = super().__new__(cls)
+        self.items, self.state = {}, None
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[key] = value
 
     def append(self, value: Any) -> None:
         pass
 
     def extend(self, values: Any) -> None:
         pass
+
+    def field(self, name: str) -> Any:
+        """A field of its state: of the dict pickled for it, or of the dict of a (dict, slots)
+        pair."""
+        parts = self.state if isinstance(self.state, tuple) else (self.state,)
+        return next((part[name] for part in parts if isinstance(part, Mapping)
+                     and name in part), None)
+
+    def children(self) -> Iterator[tuple[Any, Any]]:
+        """Its items, then its state's fields."""
+        yield from self.items.items()
+        for part in self.state if isinstance(self.state, tuple) else (self.state,):
+            if isinstance(part, Mapping):
+                yield from part.items()
+
+
+class _Named(_StandIn):
+    """A stand-in for a class DCP's metadata names (`named`)."""
+
+    __slots__ = ()
+    named: tuple[str, str] = ("", "")
+
+
+_DCP_STANDINS: dict[tuple[str, str], type[_Named]] = {
+    key: type(key[1], (_Named,), {"__slots__": (), "named": key}) for key in _DCP_CLASSES}
 
 
 class _Dict(dict):  # type: ignore[type-arg]
@@ -270,38 +508,47 @@ class _Dict(dict):  # type: ignore[type-arg]
         pass
 
 
-def _size(size: Any) -> tuple[int, ...]:
-    return tuple(size) if isinstance(size, (tuple, list)) else ()
+def _shape(size: Any) -> tuple[int, ...] | None:
+    """A pickled size (a tuple, list or `torch.Size`) as sizes, None unless it is one."""
+    if isinstance(size, (tuple, list)) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in size):
+        return tuple(size)
+    return None
+
+
+def _tensor(dtype: Any, size: Any) -> Any:
+    """A tensor of this dtype and size as the reader sees it; a stand-in for anything else."""
+    shape = _shape(size)
+    ok = isinstance(dtype, torch.dtype) and shape is not None
+    return _Tensor(Saved(dtype, shape)) if ok else _StandIn()  # type: ignore[arg-type]
 
 
 def _rebuilt(storage: Any, offset: Any, size: Any, *args: Any, **kwargs: Any) -> Any:
     """`torch._utils._rebuild_tensor_v2` and its kin (quantized tensors too): the storage's
     dtype."""
-    return Saved(storage.dtype, _size(size)) if isinstance(storage, _Storage) else _StandIn()
+    return _tensor(storage.dtype, size) if isinstance(storage, _Storage) else _StandIn()
 
 
 def _rebuilt_v3(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any,
                 hooks: Any, dtype: Any, *args: Any) -> Any:
     """`_rebuild_tensor_v3`: an untyped storage, the dtype given (fp8, uint16, ...)."""
-    return Saved(dtype, _size(size)) if isinstance(dtype, torch.dtype) else _StandIn()
+    return _tensor(dtype, size)
 
 
 def _rebuilt_without_storage(dtype: Any, size: Any, *args: Any) -> Any:
     """`_rebuild_meta_tensor_no_storage`: a meta tensor."""
-    return Saved(dtype, _size(size)) if isinstance(dtype, torch.dtype) else _StandIn()
+    return _tensor(dtype, size)
 
 
 def _rebuilt_subclass(cls: Any, dtype: Any, size: Any, *args: Any) -> Any:
     """`_rebuild_wrapper_subclass`: a tensor subclass (torchao's fp8 weights, DTensor) by the
     dtype and shape it presents."""
-    return _rebuilt_without_storage(dtype, size)
+    return _tensor(dtype, size)
 
 
 def _rebuilt_on_device(data: Any, dtype: Any, *args: Any) -> Any:
     """`_rebuild_device_tensor_from_cpu_tensor`: a tensor saved through a CPU copy."""
-    if isinstance(data, Saved) and isinstance(dtype, torch.dtype):
-        return Saved(dtype, data.shape)
-    return _StandIn()
+    return _tensor(dtype, data.saved.shape) if isinstance(data, _Tensor) else _StandIn()
 
 
 def _rebuilt_parameter(data: Any, *args: Any) -> Any:
@@ -338,13 +585,12 @@ class _Records(pickle.Unpickler):
             return _Dict
         if module in ("builtins", "__builtin__") and name in _SAFE_BUILTINS:  # (protocol 2)
             return _SAFE_BUILTINS[name]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
         if module == "torch" and name.endswith("Storage"):
             return _storage_dtype(name)
         if module == "torch" and name == "Size":
             return tuple
-        return _StandIn
+        dtype = _dtype(module, name)
+        return _StandIn if dtype is None else dtype
 
     def persistent_load(self, pid: Any) -> Any:
         # ("storage", storage type, key, location, numel[, view]): the type gives the dtype;
@@ -367,54 +613,87 @@ def _storage_dtype(name: str) -> Any:
         return _StandIn
 
 
-#: what a pickle this cannot read raises while read by the stand-in unpicklers
+#: what a pickle this cannot read raises while read by the stand-in unpicklers (`pickles.Refused`
+#: is a ValueError; a stand-in built or set up with what it cannot take raises TypeError, ...)
 _UNREADABLE = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-               IndexError, KeyError, ImportError, zipfile.BadZipFile, RecursionError)
+               IndexError, KeyError, ImportError, OverflowError, zipfile.BadZipFile,
+               RecursionError, struct.error)
 #: `torch.save`'s legacy format starts with this number, pickled (`serialization.MAGIC_NUMBER`)
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+#: the characters of keys a pickle may flatten to, per byte of it: a state dict spells each key
+#: out (about 1), a whole pickled module shares its names' parts (a few); far more is one object
+#: reached under very many names
+KEY_CHARS_PER_BYTE = 16
+
+
+def _why(e: BaseException) -> str:
+    """Why a pickle was refused: the walk's own words, or the exception `pickle` raised."""
+    said = str(e)[:300]
+    return said if isinstance(e, pickles.Refused) else f"{type(e).__name__}: {said}"
 
 
 def _torch_save(file: Path) -> dict[str, Saved]:
-    if zipfile.is_zipfile(file):
-        return dict(_flatten(_zip_record(file), ""))
+    size = _size(file)
     with file.open("rb") as f:
-        if f.read(1) == b"\x80":  # a pickle: torch.save's legacy format
+        if zipfile.is_zipfile(f):
+            record = _zip_record(file, f, size)
+        else:
             f.seek(0)
-            return dict(_flatten(_legacy_record(file, f), ""))
-    raise ValueError(
-        f"checkpoint: {str(file)!r} is neither a DCP directory, safetensors, nor a file "
-        "torch.save writes (a zip file, or a pickle in its legacy format).")
+            head = f.read(32)  # a pickle (PROTO), or protocol 0-1's magic number as text
+            if not (head.startswith(b"\x80") or head.startswith(b"L%d" % _LEGACY_MAGIC)):
+                raise ValueError(
+                    f"checkpoint: {str(file)!r} is neither a DCP directory, safetensors, nor a "
+                    "file torch.save writes (a zip file, or a pickle in its legacy format).")
+            f.seek(0)
+            record = _legacy_record(file, f, size)
+    return _flatten(file, record, KEY_CHARS_PER_BYTE * size + (1 << 20))
 
 
-def _zip_record(file: Path) -> Any:
+#: the bytes read from a zip member at a time
+_CHUNK = 1 << 20
+
+
+def _zip_record(file: Path, f: IO[bytes], size: int) -> Any:
+    """The object of a `torch.save` zip file's `data.pkl`, read in chunks up to the size its
+    header declares, after that size is checked against the file's: `torch.save` stores its
+    records uncompressed, so a record declared larger than the whole file is a zip bomb (or a
+    corrupt header)."""
     try:
-        with zipfile.ZipFile(file) as archive:
-            records = [n for n in archive.namelist()
-                       if n.endswith("data.pkl") and n.count("/") == 1]
+        with zipfile.ZipFile(f) as archive:
+            records = [i for i in archive.infolist()
+                       if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
             if not records:
                 raise ValueError(f"checkpoint: {str(file)!r} is a zip file, but not one "
                                  "torch.save wrote (no data.pkl record).")
-            with archive.open(records[0]) as record:
-                return _Records(record).load()
+            if records[0].file_size > size:
+                raise ValueError(
+                    f"checkpoint: {str(file)!r} is a zip file whose record "
+                    f"{records[0].filename!r} declares {records[0].file_size} bytes, more than "
+                    f"the {size} of the whole file (a zip bomb, or a corrupt archive: "
+                    "torch.save stores its records uncompressed).")
+            with archive.open(records[0]) as member:
+                chunks = iter(lambda: member.read(_CHUNK), b"")
+                data = b"".join(chunks)
+        return pickles.loads(_Records, data)
     except _UNREADABLE as e:
         if str(e).startswith("checkpoint:"):
             raise
         raise ValueError(f"checkpoint: {str(file)!r} is a zip file whose torch.save record "
-                         f"cannot be read ({type(e).__name__}: {e}).") from e
+                         f"cannot be read ({_why(e)}).") from e
 
 
-def _legacy_record(file: Path, f: IO[bytes]) -> Any:
+def _legacy_record(file: Path, f: IO[bytes], size: int) -> Any:
     """The object of a legacy `torch.save` file: after its magic number, protocol version and
     system info, before the storages' keys and data (never read)."""
     try:
-        if _Records(f).load() != _LEGACY_MAGIC:
+        if pickles.load(_Records, f, size) != _LEGACY_MAGIC:
             raise ValueError("it does not start with torch.save's magic number")
-        _Records(f).load()  # protocol version
-        _Records(f).load()  # system info
-        return _Records(f).load()
+        pickles.load(_Records, f, size)  # protocol version
+        pickles.load(_Records, f, size)  # system info
+        return pickles.load(_Records, f, size)
     except _UNREADABLE as e:
         raise ValueError(f"checkpoint: {str(file)!r} is a pickle, but not a file torch.save "
-                         f"wrote in its legacy format ({type(e).__name__}: {e}).") from e
+                         f"wrote in its legacy format ({_why(e)}).") from e
 
 
 def _named_optimizer_state(value: Mapping[Any, Any]) -> Mapping[Any, Any]:
@@ -423,42 +702,85 @@ def _named_optimizer_state(value: Mapping[Any, Any]) -> Mapping[Any, Any]:
     groups, state = value.get("param_groups"), value.get("state")
     if not (isinstance(groups, list) and isinstance(state, Mapping)):
         return value
-    names: dict[Any, str] = {}
+    names: dict[int, str] = {}
     for group in groups:
-        if not isinstance(group, Mapping):
-            return value
-        ids, given = group.get("params"), group.get("param_names")
-        if not (isinstance(ids, list) and isinstance(given, list) and len(ids) == len(given)):
+        ids = group.get("params") if isinstance(group, Mapping) else None
+        given = group.get("param_names") if isinstance(group, Mapping) else None
+        if not (isinstance(ids, list) and isinstance(given, list) and len(ids) == len(given)
+                and all(type(i) is int for i in ids) and all(isinstance(n, str) for n in given)):
             return value
         names.update(zip(ids, given, strict=True))
-    return {**value, "state": {names.get(k, k): v for k, v in state.items()}}
+    return {**value, "state": {names.get(k, k) if type(k) is int else k: v
+                               for k, v in state.items()}}
 
 
-def _flatten(value: Any, prefix: str) -> Iterator[tuple[str, Saved]]:
-    if isinstance(value, Saved):
-        yield prefix, value
-    elif isinstance(value, _StandIn) and "_parameters" in value and "_modules" in value:
-        yield from _module(value, prefix)
-    elif isinstance(value, Mapping):
-        value = _named_optimizer_state(value)
-        for key, item in value.items():
-            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _flatten(item, f"{prefix}.{i}" if prefix else str(i))
+def _key(key: Any) -> str:
+    """A key as a name: strings and numbers as themselves, anything else by its type (never
+    printed: a pickled tuple may share its parts a million times over)."""
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (bool, float)) or (isinstance(key, int) and key.bit_length() <= 64):
+        return str(key)
+    return f"<{type(key).__name__}>"
 
 
-def _module(module: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Saved]]:
+def _children(value: Any) -> Iterator[tuple[str, Any]] | None:
+    """What a container holds, by name: a pickled module's state dict, a stand-in's items and
+    state, a mapping's items, a list's or tuple's items by index; None for anything else."""
+    if isinstance(value, _StandIn):
+        if value.field("_parameters") is not None and value.field("_modules") is not None:
+            return _module(value)
+        return ((_key(k), v) for k, v in value.children())
+    if isinstance(value, Mapping):
+        return ((_key(k), v) for k, v in _named_optimizer_state(value).items())
+    if isinstance(value, (list, tuple)):
+        return ((str(i), v) for i, v in enumerate(value))
+    return None
+
+
+def _flatten(file: Path, root: Any, budget: int) -> dict[str, Saved]:
+    """Every tensor under `root` by its dotted key, each container visited once however often
+    it is shared (a pickle may reach one list by 2^40 paths), without recursion, the keys'
+    characters bounded by `budget`."""
+    out: dict[str, Saved] = {}
+    seen: dict[int, Any] = {}  # held, so that an id is not reused while read
+    stack: list[tuple[str, Iterator[tuple[str, Any]]]] = []
+    spent = 0
+    pending: list[tuple[str, Any]] = [("", root)]
+    while pending:
+        prefix, value = pending.pop()
+        if isinstance(value, _Tensor):
+            out[prefix] = value.saved
+        elif id(value) not in seen and (children := _children(value)) is not None:
+            seen[id(value)] = value
+            stack.append((prefix, children))
+        while stack and not pending:
+            prefix, children = stack[-1]
+            item = next(children, None)
+            if item is None:
+                stack.pop()
+                continue
+            name = f"{prefix}.{item[0]}" if prefix else item[0]
+            spent += len(name)
+            if spent > budget:
+                raise ValueError(
+                    f"checkpoint: {str(file)!r} flattens to keys of more than {budget} "
+                    f"characters, {KEY_CHARS_PER_BYTE} a byte of the file: its objects are "
+                    "reached under more names than any checkpoint's.")
+            pending.append((name, item[1]))
+    return out
+
+
+def _module(module: _StandIn) -> Iterator[tuple[str, Any]]:
     """A whole `nn.Module` pickled (`torch.save(model)`): its state dict's tensors, by the names
-    `model.state_dict()` gives them (its non-persistent buffers left out)."""
-    skip = module.get("_non_persistent_buffers_set")
+    `model.state_dict()` gives them (its non-persistent buffers left out), then its children."""
+    skip = module.field("_non_persistent_buffers_set")
     skip = skip if isinstance(skip, (set, frozenset)) else set()
-    dot = f"{prefix}." if prefix else ""
     for group in ("_parameters", "_buffers"):
-        tensors = module.get(group)
+        tensors = module.field(group)
         for name, tensor in tensors.items() if isinstance(tensors, Mapping) else ():
-            if isinstance(tensor, Saved) and not (group == "_buffers" and name in skip):
-                yield f"{dot}{name}", tensor
-    children = module.get("_modules")
+            if isinstance(tensor, _Tensor) and not (group == "_buffers" and name in skip):
+                yield _key(name), tensor
+    children = module.field("_modules")
     for name, child in children.items() if isinstance(children, Mapping) else ():
-        yield from _flatten(child, f"{dot}{name}")
+        yield _key(name), child
