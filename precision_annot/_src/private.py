@@ -296,7 +296,8 @@ TORCH: tuple[PrivateName, ...] = (
        "(0.3 us for the flag): on the forward's hot path."),
     # -- checkpoint files ------------------------------------------------------------------------
     _N("torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING", ("_src.checkpoints.reading",),
-       "a class DCP's `.metadata` pickle names: imported to read it without running its code",
+       "a class DCP's `.metadata` pickle names: read as a stand-in of that name, none of DCP's "
+       "own code run",
        "Public `FileSystemReader.read_metadata()` unpickles anything the file names."),
     _N("torch.distributed.checkpoint.filesystem._StorageInfo", ("_src.checkpoints.reading",),
        "as `_MEM_FORMAT_ENCODING`",
