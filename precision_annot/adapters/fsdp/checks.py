@@ -157,15 +157,7 @@ def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | N
     names = [u.name for u in live] if live is not None else unit_names(
         plan, model, units, merge_below=merge_below, keep_dtype_in_unit=keep)
     shards = live if live is not None else plan_units(plan, names, keep_dtype_in_unit=keep)
-    out = [Finding("error", "fsdp-mixed-unit", unit.name,
-                   f"This FSDP unit {mixed_message(detail)} FSDP refuses it at the first "
-                   "forward (\"FSDP expects uniform original parameter dtype\").", MIXED_FIX)
-           for unit, detail in mixed_units(shards, plan)]
-    if backend == "fsdp1":
-        out += _integer_parameters(plan, shards)
-    out += _tied_across_units(plan, shards, backend)
-    if backend == "fsdp1":
-        out += _frozen_beside_trainable(plan, shards, use_orig_params)
+    out = _structure(plan, shards, backend, use_orig_params)
     where = "FSDP2" if backend == "fsdp" else "FSDP1"
     if live is not None:
         out += _gathered(plan, live, where)
@@ -180,6 +172,22 @@ def findings(plan: PrecisionPlan, backend: str = "fsdp", *, model: nn.Module | N
         out += _small_units(plan, model, units, names, backend, latency_s, bandwidth)
     if backend == "fsdp" and not gradient_sync:
         out += _unsynced_sums(plan, shards)
+    return out
+
+
+def _structure(plan: PrecisionPlan, shards: list[Unit], backend: str,
+               use_orig_params: bool) -> list[Finding]:
+    """What FSDP refuses in how the units are cut: mixed dtypes in a unit, integer parameters
+    (FSDP1), ties across units, frozen beside trainable parameters (FSDP1)."""
+    out = [Finding("error", "fsdp-mixed-unit", unit.name,
+                   f"This FSDP unit {mixed_message(detail)} FSDP refuses it at the first "
+                   "forward (\"FSDP expects uniform original parameter dtype\").", MIXED_FIX)
+           for unit, detail in mixed_units(shards, plan)]
+    if backend == "fsdp1":
+        out += _integer_parameters(plan, shards)
+    out += _tied_across_units(plan, shards, backend)
+    if backend == "fsdp1":
+        out += _frozen_beside_trainable(plan, shards, use_orig_params)
     return out
 
 
