@@ -159,6 +159,7 @@ def test_the_audit_command_exits_1_on_divergence(tmp_path: Path,
     assert "tail: compute planned fp32, ran bf16" in out
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_the_audit_command_from_the_console_script(tmp_path: Path) -> None:
     (tmp_path / "mymod.py").write_text(MYMOD)
     exe = Path(sys.executable).with_name("precision-annot")

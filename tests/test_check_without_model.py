@@ -180,6 +180,7 @@ def test_facts_round_trip_and_a_bad_entry_names_its_key() -> None:
         PrecisionPlan.from_json(json.dumps(data))
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_json_output_is_json_under_deepspeed(factories: Path) -> None:
     """DeepSpeed prints "Setting accelerator to CPU" on stdout when it is imported; the CLI
     keeps stdout for its result."""

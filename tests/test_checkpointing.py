@@ -297,6 +297,7 @@ print("checkpoint still runs")
 """
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 @pytest.mark.parametrize("renamed", [True, False])
 def test_a_checkpoint_start_out_of_reach_is_refused_at_apply(renamed: bool) -> None:
     """Where torch starts a checkpoint through a name this package does not wrap (torch 2.14
@@ -535,6 +536,7 @@ _CONTEXTS = {
 }
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 @pytest.mark.parametrize("where", list(_CONTEXTS))
 def test_the_first_apply_in_a_process_leaves_no_trace_of_its_probe(where: str) -> None:
     """The first apply in a process runs one checkpoint of each kind (the probe), in a thread

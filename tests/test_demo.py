@@ -20,6 +20,7 @@ from precision_annot._src.demo_runner import _batches, next_token_loss, train_lo
 from precision_annot._src.suggest import relative_error, suggest
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_module_entry_point_and_demo(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "precision_annot", "demo", "--fast", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=300)

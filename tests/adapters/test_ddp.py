@@ -20,6 +20,7 @@ from tests.adapters.distributed import check_training, run_ranks
 from tests.workers.models import POLICY, Net
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_two_ranks_reduce_in_the_planned_dtypes(tmp_path: Path) -> None:
     ranks = run_ranks("ddp", tmp_path)
     check_training(ranks, "all_reduce")

@@ -30,6 +30,7 @@ def _ranks(mode: str, tmp_path: Path, ranks: int = 2) -> list[dict[str, Any]]:
 
 # -- FSDP2, DDP, DeepSpeed on gloo ranks ------------------------------------------------------
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_fsdp2_all_gathers_fp8_weights_and_trains_like_one_process(tmp_path: Path) -> None:
     ranks = _ranks("fsdp2", tmp_path)
     for r in ranks:
@@ -59,6 +60,7 @@ def test_ddp_reduces_fp8_comm_layers_in_their_own_dtype_as_check_warns(tmp_path:
         assert r["losses"][-1] < r["losses"][0]
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_deepspeed_trains_fp8_gemms_and_check_refuses_fp8_comm(tmp_path: Path) -> None:
     deepspeed_op_built()
     (r,) = _ranks("deepspeed", tmp_path, ranks=1)

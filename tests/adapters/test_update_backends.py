@@ -25,6 +25,7 @@ def ranks(mode: str, tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_fsdp2_shards_the_fp32_masters_and_gathers_them_in_bf16(tmp_path: Path) -> None:
     """storage=bf16,master=fp32 under FSDP2: fp32 shards (the masters, no third copy),
     gathered in bf16 for the forward, 8-bit states on the shards; each rank holds half; and

@@ -23,8 +23,9 @@ def ranks(mode: str, tmp_path: Path, worker: str = "tests.workers.watching"
     return [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 @pytest.mark.parametrize("mode", [
-    pytest.param("ddp", marks=pytest.mark.slow),  # 6 s; FSDP2 stays in make test
+    "ddp",
     "fsdp2"])
 def test_watch_reduces_each_step_across_ranks(mode: str, tmp_path: Path) -> None:
     r0, r1 = ranks(mode, tmp_path)
@@ -95,6 +96,7 @@ def agrees(measured: dict[str, Any], hand: dict[str, Any]) -> None:
     assert measured["under"] * hand["numel"] == pytest.approx(hand["under"], abs=1e-9)
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_watch_and_diff_measure_a_tensor_parallel_mlp_as_hooks_gathering_it_whole(
         tmp_path: Path) -> None:
     """A Megatron MLP in fp16 (each Linear handed a DTensor; the row-parallel one hands back a

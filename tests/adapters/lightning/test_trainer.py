@@ -177,12 +177,14 @@ def check(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 @pytest.mark.parametrize("strategy", [
-    "ddp", pytest.param("model_parallel", marks=pytest.mark.slow)])  # FSDP2: test_fsdp.py
+    "ddp", "model_parallel"])  # FSDP2: test_fsdp.py
 def test_two_process_strategies_train_with_planned_dtypes(strategy: str, tmp_path: Path) -> None:
     check(run(strategy, tmp_path))
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_check_says_what_lightning_reduces_in_on_cpu(tmp_path: Path) -> None:
     """With the user's own ddp_comm_hook beside the plugin, Lightning on CPU reduces every
     gradient in fp32 (it registers the hook only on CUDA, and the plugin registers none beside
