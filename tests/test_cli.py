@@ -248,7 +248,7 @@ def test_check_exit_status_gates_on_errors(tmp_path: Path,
 def test_check_json_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["check", TARGET, "--backend", "fsdp", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
-    assert {f["code"] for f in found} == {"narrow-comm", "fsdp-small-units"}
+    assert {f["code"] for f in found} == {"narrow-comm", "fsdp-small-units", "island-wide-output"}
     assert all(set(f) == {"severity", "code", "module", "message", "fix", "modules"}
                for f in found)
 
@@ -337,8 +337,9 @@ def test_check_tp_from_the_command_line_names_its_styles(
     assert main(["check", target, "--default", "bf16-true", "--backend", "tp", "--config",
                  config, "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
+    # 'nope' is like no module's name: skipped, nothing it could mean runs unsharded
     assert [(f["severity"], f["code"]) for f in found if f["code"].startswith("tp-")] == [
-        ("warning", "tp-plan-unmatched")]
+        ("info", "tp-plan-unmatched")]
     bad = json.dumps({"parallelize_plan": {"0": "diagonal"}})
     assert main(["check", target, "--backend", "tp", "--config", bad]) == 2
     assert "parallelize_plan['0'] names a TP style" in capsys.readouterr().err

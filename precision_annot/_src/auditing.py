@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
@@ -23,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.hooks import RemovableHandle
 
+from precision_annot._src.arithmetic import Arithmetic
 from precision_annot._src.boundary import device_type_of
 from precision_annot._src.casting import floating_leaves
 from precision_annot._src.dtypes import FP8, dtype_name, wider
@@ -31,7 +34,12 @@ from precision_annot._src.float8 import is_fp8_tensor
 from precision_annot._src.guards import require_module, require_plan
 from precision_annot._src.plan import ModulePlan, PrecisionPlan
 from precision_annot._src.policy import Policy, autocast_mode
-from precision_annot._src.runtime import check_matches, find_boundary, plan_of
+from precision_annot._src.runtime import (
+    arithmetic_of_module,
+    check_matches,
+    find_boundary,
+    plan_of,
+)
 from precision_annot._src.tables import format_table
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
 from precision_annot._src.update.rule import fields_of, rule_for
@@ -102,6 +110,9 @@ class ModuleRecord:
             e.g. "Shard(dim=0)".
         reductions: the reducing collectives it ran on DTensors (a row-parallel Linear's
             all-reduce of its partial sums), per phase and dtype: the dtype the sum ran in.
+        arithmetic: for a Linear whose GEMMs ran a wide output or emulated fp32, how (its
+            operands, output and backward, as "bf16 operands, fp32 output, backward split2",
+            or "bf16x9 (fp32 emulated)"), once per arithmetic it ran with.
     """
 
     name: str
@@ -123,6 +134,7 @@ class ModuleRecord:
     placements: dict[str, str] = dataclasses.field(default_factory=dict)
     casts_itself: bool = False
     reductions: Counter[tuple[str, torch.dtype]] = dataclasses.field(default_factory=Counter)
+    arithmetic: set[str] = dataclasses.field(default_factory=set)
 
     def reduced_in(self, phase: str = "forward") -> set[torch.dtype]:
         """The dtypes its reducing collectives ran in, in `phase`."""
@@ -135,7 +147,7 @@ class Divergence:
 
     Attributes:
         module: the module's qualified name.
-        field: "compute", "gemm", "autocast", "storage", "grad", "output", "comm" (a
+        field: "compute", "gemm", "arithmetic", "autocast", "storage", "grad", "output", "comm" (a
             tensor-parallel reduction) or "boundary".
         planned: what the plan says.
         actual: what ran.
@@ -193,15 +205,28 @@ def _gemm(name: str, policy: Policy, planned: bool, record: ModuleRecord
     for phase in ("forward", "backward"):
         ran, fp8 = record.gemms[phase], record.fp8_gemms[phase]
         if planned and record.high_weight_gemms[phase]:
-            yield Divergence(name, "gemm", str(policy.gemm),
+            yield Divergence(name, "gemm", str(policy.fp8),
                              f"{record.high_weight_gemms[phase]} GEMMs by its weight in high "
                              "precision, outside its own fp8 forward", phase)
         elif planned and ran and not fp8:
-            yield Divergence(name, "gemm", str(policy.gemm), f"{ran} GEMMs, none in fp8",
+            yield Divergence(name, "gemm", str(policy.fp8), f"{ran} GEMMs, none in fp8",
                              phase)
         elif not planned and fp8:
             high = dtype_name(policy.compute) if policy.compute else "high precision"
             yield Divergence(name, "gemm", high, f"fp8 ({fp8} of {ran} GEMMs)", phase)
+
+
+def _arithmetic(name: str, planned: Arithmetic | None, record: ModuleRecord
+                ) -> Iterator[Divergence]:
+    """A Linear's GEMMs against the plan's arithmetic (a wide output, a split backward,
+    emulated fp32): what its forward ran with, where it ran."""
+    if not record.calls:
+        return
+    want = {str(planned)} if planned is not None else set()
+    if record.arithmetic != want:
+        ran = ", ".join(sorted(record.arithmetic)) or "the compute dtype's own GEMMs"
+        yield Divergence(name, "arithmetic", str(planned) if planned else "the compute "
+                         "dtype's own GEMMs", ran, "forward")
 
 
 def _update(entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
@@ -225,7 +250,11 @@ def _update(entry: ModulePlan, record: ModuleRecord) -> Iterator[Divergence]:
 def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
     """Rule 3: the autocast state the module's own code ran under. A module that casts its
     operands itself (a tensor-parallel Linear computing its partial sums in its comm dtype:
-    its class says `_precision_annot_casts_itself`) may turn autocast off."""
+    its class says `_precision_annot_casts_itself`) may turn autocast off, as a Linear whose
+    GEMMs run a wide output does (its operands rounded as its arithmetic says, not by
+    autocast)."""
+    if record.arithmetic:
+        return
     mode = autocast_mode(policy)
     if mode == "autocast":
         wrong = {s for s in record.autocast if s != (True, policy.compute)
@@ -241,9 +270,9 @@ def _autocast(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Diver
 
 def _comm(name: str, policy: Policy, record: ModuleRecord) -> Iterator[Divergence]:
     """A tensor-parallel module's (one holding DTensor parameters) reductions in its planned
-    comm dtype (comm=fp8 all-gathers fp8 weights: no reduction dtype). A reduction that a hook
-    runs before the module's forward (torch's ColwiseParallel reduces its input's gradient
-    where its input became a DTensor) is its caller's."""
+    comm dtype (comm=fp8 all-gathers fp8 weights: no reduction dtype), those its style's
+    input hook owes included (torch's ColwiseParallel reduces its input's gradient where its
+    input became a DTensor: `audit._claim_input_hooks`)."""
     comm = policy.comm
     if comm is None or comm == FP8 or not record.placements:
         return
@@ -307,8 +336,10 @@ class AuditReport:
                 site = self.execution.sites.get(name)
                 out.extend(self._boundary(entry, record, site))
                 out.extend(_compute(entry.name, entry.policy, record))
-                out.extend(_gemm(entry.name, entry.policy, entry.policy.gemm is not None,
+                out.extend(_gemm(entry.name, entry.policy, entry.policy.fp8 is not None,
                                  record))
+                out.extend(_arithmetic(entry.name, self.execution.arithmetic.get(name),
+                                       record))
                 out.extend(_autocast(entry.name, entry.policy, record))
                 out.extend(_comm(entry.name, entry.policy, record))
                 out.extend(self._storage(entry, record))
@@ -360,6 +391,8 @@ class AuditReport:
                 label += " *" if entry.boundary else ""
                 calls = "-" if entry.container else str(r.calls)
                 compute = entry.policy.show("compute")
+                if r.arithmetic:
+                    compute += f" ({', '.join(sorted(r.arithmetic))})"
             else:
                 continue  # a wrapper around the planned model
             rows.append((
@@ -404,6 +437,9 @@ class _Recorder:
             record.first_inputs.add(leaves[0].dtype)
         record.tensors.update(_own_tensors(module))
         _distributed_facts(module, record)
+        arith = arithmetic_of_module(module)
+        if arith is not None:
+            record.arithmetic.add(str(arith))
 
     def exit(self, name: str, module: nn.Module, output: Any) -> None:
         leaves: list[torch.Tensor] = []
@@ -673,10 +709,11 @@ class audit:
         tracker = self._tracker = ModuleTracker(names, recorder.enter, recorder.exit,
                                                 recorder.region)
         tracker.__enter__()
+        self._claim_input_hooks(tracker, names, records)
         self._record_grads(names, records)
         self._modes = [_AutocastState(tracker, records),
                        _OpDtypes(tracker, records, {n: m for m, n in names.items()},
-                                 [n for n, e in self.plan.items() if e.policy.gemm])]
+                                 [n for n, e in self.plan.items() if e.policy.fp8])]
         for mode in self._modes:
             mode.__enter__()
         if self.optimizer is not None:
@@ -684,6 +721,26 @@ class audit:
         self.report = AuditReport(self.plan, execution, records, installed)
         self._names = names
         return self.report
+
+    def _claim_input_hooks(self, tracker: ModuleTracker, names: dict[nn.Module, str],
+                           records: dict[str, ModuleRecord]) -> None:
+        """Charge to each tensor-parallel module what its style's input hook makes.
+
+        A tensor-parallel style makes the module's input a DTensor in a forward pre-hook that
+        runs before the tracker's: torch's column-parallel style all-reduces the input's
+        gradient in the backward of that step, which was charged to the caller. A pre-hook
+        run first marks the autograd nodes made from there on as the module's, so the
+        reduction is recorded where it is owed, in the dtype it ran in. An FSDP2 unit's own
+        pre-forward (its all-gather) stays outside the module's code, as before."""
+        held = [(m, n) for m, n in names.items() if records[n].placements]
+        if not held:
+            return
+        from torch.distributed.fsdp import FSDPModule  # DTensors: torch.distributed is here
+
+        for module, name in held:
+            if not isinstance(module, FSDPModule):
+                self._handles.append(module.register_forward_pre_hook(
+                    functools.partial(_claim, tracker, name), prepend=True))
 
     def _record_grads(self, names: dict[nn.Module, str], records: dict[str, ModuleRecord]
                       ) -> None:
@@ -742,6 +799,16 @@ class audit:
         assert self.report is not None
         for module, name in self._names.items():  # storage as it is at the end of the block
             self.report.records[name].tensors.update(_own_tensors(module))
+
+
+def _claim(tracker: ModuleTracker, name: str, module: nn.Module, args: Any) -> None:
+    """The autograd nodes made from here until the module's own pre-hook (its input hooks')
+    are the module's: a mark in the tracker's record, the module innermost."""
+    if threading.get_ident() != tracker.thread:
+        return
+    tracker.stack.append(name)
+    tracker._mark()
+    tracker.stack.pop()
 
 
 def _updated(optimizer: Any, param: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "FP8", "FP8_RECIPES", "LOW_BIT_STATES", "LOW_PRECISION", "STOCHASTIC",
-           "bf16", "dtype_from_name", "dtype_name", "fp16", "fp32", "fp64", "parse_compute",
-           "to_dtype", "to_master", "to_optim", "wider", "widest"]
+__all__ = ["BACKWARDS", "DTYPE_NAMES", "EMULATIONS", "FP8", "FP8_RECIPES", "LOW_BIT_STATES",
+           "LOW_PRECISION", "STOCHASTIC", "bf16", "dtype_from_name", "dtype_name", "fp16", "fp32",
+           "fp64", "parse_compute", "to_dtype", "to_master", "to_optim", "wider", "widest"]
 
 fp64 = torch.float64
 fp32 = torch.float32
@@ -42,6 +42,14 @@ FP8_RECIPES: dict[str, str] = {
     "mxfp8": "mxfp8",
 }
 
+#: emulated fp32 compute, by name: a module whose compute is one of these computes in fp32 and
+#: runs its Linear GEMMs as GEMMs of bf16 pieces of their fp32 operands, summed in fp32 (all 9
+#: products of 3 pieces each, as cuBLAS's `fp32_precision = "bfx9"`; or the 3 largest)
+EMULATIONS: tuple[str, ...] = ("bf16x9", "bf16x3")
+
+#: what the backward GEMMs of a Linear with a wide output make of its wide output gradient
+BACKWARDS: tuple[str, ...] = ("round", "split2", "split3", "wide")
+
 #: the dtype fp8 weights are all-gathered in: the only fp8 a `comm` field takes
 FP8 = torch.float8_e4m3fn
 
@@ -62,7 +70,8 @@ def widest(dtypes: Iterable[torch.dtype | None]) -> torch.dtype | None:
 
 
 def _valid(field: str = "dtype") -> str:
-    extra = [*FP8_RECIPES] if field == "compute" else ["fp8"] if field == "comm" else []
+    extra = ([*FP8_RECIPES, *EMULATIONS] if field == "compute" else
+             ["fp8"] if field == "comm" else [])
     return ", ".join(repr(n) for n in [*DTYPE_NAMES, *extra])
 
 
@@ -140,13 +149,19 @@ def to_optim(value: object) -> torch.dtype | str:
 
 
 def parse_compute(value: object) -> tuple[torch.dtype | None, str | None]:
-    """A compute value: (the dtype ops run in, the fp8 recipe GEMMs run in). "bf16" is
-    (bf16, None), "fp8-rowwise" is (None, "fp8-rowwise"): other ops keep the dtype they would
-    otherwise have; "fp8-rowwise/bf16", as a resolved policy prints it, is both."""
+    """A compute value: (the dtype ops run in, the fp8 recipe or fp32 emulation GEMMs run in).
+    "bf16" is (bf16, None), "fp8-rowwise" is (None, "fp8-rowwise"): other ops keep the dtype
+    they would otherwise have; "fp8-rowwise/bf16", as a resolved policy prints it, is both;
+    "bf16x9" is (fp32, "bf16x9"): fp32 ops, GEMMs emulated."""
     if isinstance(value, str):
         gemm, slash, rest = value.strip().lower().partition("/")
         if gemm in FP8_RECIPES:
             return (to_dtype(rest, field="compute") if slash else None), gemm
+        if gemm in EMULATIONS:
+            if slash and to_dtype(rest, field="compute") != torch.float32:
+                raise ValueError(f"compute={value!r}: {gemm} emulates fp32 GEMMs, and the "
+                                 f"module's other ops compute in fp32; write compute={gemm!r}")
+            return torch.float32, gemm
     return to_dtype(value, field="compute"), None
 
 

@@ -17,13 +17,15 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
+from precision_annot._src.arithmetic import Arithmetic, of_policy, runs_linear_forward
 from precision_annot._src.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
 from precision_annot._src.dtypes import FP8, dtype_name
 from precision_annot._src.float8 import Gemm
 from precision_annot._src.plan import ModulePlan, PrecisionPlan, nearest, parent_name
 from precision_annot._src.policy import Policy, autocast_mode, exit_dtype
 
-__all__ = ["Execution", "Key", "Site", "Target", "compile_plan", "forward_of", "fp8_gemms"]
+__all__ = ["Execution", "Key", "Site", "Target", "arithmetic_of", "compile_plan", "forward_of",
+           "fp8_gemms"]
 
 Kind: TypeAlias = Literal["param", "buffer"]
 Key = tuple[str, Kind, str]  # module name, "param" | "buffer", tensor name
@@ -96,6 +98,8 @@ class Execution:
         check: `check_finite` was asked for.
         gemms: the Linear layers whose GEMMs run in fp8, by name: their recipe, and whether
             their weight is all-gathered in fp8.
+        arithmetic: the Linear layers whose GEMMs hand back a wider output than they compute
+            in, or emulate fp32, by name (`arithmetic.of_policy`).
     """
 
     targets: Mapping[Key, Target]
@@ -104,6 +108,7 @@ class Execution:
     reprs: Mapping[str, str]
     check: bool
     gemms: Mapping[str, Gemm] = dataclasses.field(default_factory=dict)
+    arithmetic: Mapping[str, Arithmetic] = dataclasses.field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Execution):
@@ -112,7 +117,7 @@ class Execution:
         theirs = {k: (r.compute, r.members, u) for k, (r, u) in other.casting.items()}
         return (self.targets == other.targets and self.sites == other.sites and mine == theirs
                 and self.reprs == other.reprs and self.check == other.check
-                and self.gemms == other.gemms)
+                and self.gemms == other.gemms and self.arithmetic == other.arithmetic)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -135,7 +140,20 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
     owner = nearest(named, boundaries | ({""} if check and not plan.root.container else set()))
     sites, casting = _boundary_sites(plan, named, owner, targets, check)
     _add_guards(plan, named, owner, sites)
-    return Execution(targets, sites, casting, _reprs(plan), check, fp8_gemms(plan, named))
+    return Execution(targets, sites, casting, _reprs(plan), check, fp8_gemms(plan, named),
+                     arithmetic_of(plan, named))
+
+
+def arithmetic_of(plan: PrecisionPlan, named: Mapping[str, nn.Module]
+                  ) -> dict[str, Arithmetic]:
+    """The Linear layers (running nn.Linear's forward) whose plan gives their GEMMs a wide
+    output or emulated fp32, with that arithmetic."""
+    out = {}
+    for name, entry in plan.items():
+        arith = of_policy(entry.policy)
+        if arith is not None and runs_linear_forward(named[name]):
+            out[name] = arith
+    return out
 
 
 def _boundary_sites(plan: PrecisionPlan, named: Mapping[str, nn.Module],
@@ -189,9 +207,9 @@ def fp8_gemms(plan: PrecisionPlan, named: Mapping[str, nn.Module] | None = None
     def linear(name: str, entry: ModulePlan) -> bool:
         return isinstance(named[name], nn.Linear) if named is not None else entry.has("linear")
 
-    return {name: Gemm(entry.policy.gemm, entry.policy.comm == FP8, entry.policy.compute)
+    return {name: Gemm(entry.policy.fp8, entry.policy.comm == FP8, entry.policy.compute)
             for name, entry in plan.items()
-            if entry.policy.gemm is not None and linear(name, entry)}
+            if entry.policy.fp8 is not None and linear(name, entry)}
 
 
 def _targets(plan: PrecisionPlan, named: Mapping[str, nn.Module]) -> dict[Key, Target]:

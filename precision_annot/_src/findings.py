@@ -215,7 +215,7 @@ def numerics(plan: PrecisionPlan, backend: str | None = None, *,
     in and stores its parameters in, where known; `scaled` says the loop scales the loss."""
     return [*_loss_scaling(plan, backend, scaled), *_low_storage(plan, backend),
             *_running_statistics(plan, backend), *_narrow_comm(plan, backend, comm, stored),
-            *_narrowed_islands(plan), *_shadowed(plan)]
+            *_narrowed_islands(plan), *_shadowed(plan), *_wide_output_islands(plan)]
 
 
 def _loss_scaling(plan: PrecisionPlan, backend: str | None, scaled: bool) -> Iterator[Finding]:
@@ -402,6 +402,37 @@ def _narrowed_islands(plan: PrecisionPlan) -> Iterator[Finding]:
         "in fp32; suggest(model, batch, low='fp16') checks this end to end (its own islands "
         "have been).",
         tuple(names),
+    )
+
+
+def _wide_output_islands(plan: PrecisionPlan) -> Iterator[Finding]:
+    """One finding for the fp32 islands that are Linear layers handing back fp32 inside
+    bf16/fp16 code (a router kept fp32 for its logits): their GEMMs could run in the low dtype
+    with an fp32 output, the product of bf16 operands exact in fp32 and never rounded."""
+    names = []
+    for name, entry in plan.items():
+        context = plan.context(name) if name else None
+        policy = entry.policy
+        if context is None or not entry.has("linear") or policy.compute != fp32 or (
+                policy.output != fp32) or policy.emulation is not None:
+            continue
+        outer = context.policy.compute
+        if outer in (fp16, bf16):
+            names.append((name, outer))
+    if not names:
+        return
+    low = dtype_name(names[0][1])
+    preset = "bf16-mixed" if names[0][1] == bf16 else "16-mixed"
+    yield Finding(
+        "info", "island-wide-output", names[0][0] if len(names) == 1 else "",
+        f"{listing([n for n, _ in names])}: fp32 Linear island(s) handing back fp32 inside "
+        f"{low} code. Their GEMMs could run in {low} with an fp32 output (the products of "
+        f"{low} operands are exact in fp32; the output is never rounded), at a fraction of "
+        "fp32's GEMM time: the rounding of a router's logits is what changes its top-k.",
+        f"Try output=fp32 over {low} compute on them (annotate(model, {{name: "
+        f"'{preset},output=fp32'}}), 'backward=split2' for fp32-grade gradients); "
+        f"suggest(model, batch, low='{low}') measures whether the error holds.",
+        tuple(n for n, _ in names),
     )
 
 

@@ -39,7 +39,7 @@ def too_small(gemm: Gemm, n: int, k: int) -> bool:
 def fp8_findings(plan: PrecisionPlan, backend: str | None) -> list[Finding]:
     """The fp8 findings for `plan` under `backend`, from what `resolve` saw of each module (the
     plan's facts), so a plan whose model is gone is checked alike."""
-    if not any(e.policy.gemm for e in plan.values()):
+    if not any(e.policy.fp8 for e in plan.values()):
         return []
     gemms = fp8_gemms(plan)
     return [*_unavailable(gemms), *_refused(plan, gemms), *_dims(plan, gemms),
@@ -109,7 +109,7 @@ def _not_converted(plan: PrecisionPlan, gemms: dict[str, Gemm]) -> Iterator[Find
     precision, and so does a Linear its parent never calls (MultiheadAttention's out_proj)."""
     missed = []
     for name, entry in plan.items():
-        if entry.policy.gemm is None or name in gemms or entry.has("embedding"):
+        if entry.policy.fp8 is None or name in gemms or entry.has("embedding"):
             continue
         if entry.facts is not None and any(t.dtype.is_floating_point and len(t.shape) >= 2
                                            for t in entry.facts.params):

@@ -16,7 +16,7 @@ from torch import nn
 
 from precision_annot._src.dtypes import SHORT, dtype_from_name, dtype_name, fp16
 from precision_annot._src.memory import MemoryReport, plan_memory
-from precision_annot._src.policy import FIELDS, UPDATE_FIELDS, Policy, is_boundary
+from precision_annot._src.policy import FIELDS, Policy, is_boundary
 from precision_annot._src.tables import format_table, human_bytes
 
 __all__ = ["TRAITS", "ModuleFacts", "ModulePlan", "PrecisionPlan", "Source", "TensorInfo",
@@ -345,7 +345,7 @@ class _EntryReader:
     def sources(self) -> dict[str, Source | None]:
         raw = self.get("sources")
         out: dict[str, Source | None] = {}
-        for field in (*FIELDS, *(("gemm",) if "gemm" in raw else ())):
+        for field in (*FIELDS, *(f for f in ("gemm", "backward") if f in raw)):
             value = raw.get(field)
             if value is not None and value not in SOURCES:
                 raise ValueError(f"{self.where}: 'sources' has {field}={value!r}; valid "
@@ -656,7 +656,7 @@ class PrecisionPlan(Mapping[str, ModulePlan]):
 
     def __str__(self) -> str:
         # the update fields get columns when the plan sets one of them
-        fields = [f for f in FIELDS if f not in UPDATE_FIELDS or any(
+        fields = [f for f in (*FIELDS, "backward") if f in FIELDS[:4] or any(
             getattr(e.policy, f) is not None for e in self._entries.values())]
         header = ("module", "type", *fields, "source", "params", "bytes")
         rows: list[tuple[str, ...]] = [header]

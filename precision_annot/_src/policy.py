@@ -9,6 +9,8 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from precision_annot._src.dtypes import (
+    BACKWARDS,
+    EMULATIONS,
     FP8,
     FP8_RECIPES,
     LOW_PRECISION,
@@ -53,6 +55,8 @@ _KEY_ALIASES: dict[str, str] = {
     "g": "grad",
     "optim": "optim",
     "state": "optim",
+    "backward": "backward",
+    "bwd": "backward",
 }
 
 #: each field's reader: the dtype fields take a dtype name, two of the update fields more
@@ -93,6 +97,14 @@ class Policy:
         optim: the dtype of the optimizer's state (Adam's moments, SGD's momentum): a float
             dtype, or "8bit", "4bit", "fp8" (torchao's low-bit states). None keeps it in the
             dtype of what is updated. (Default: None)
+        backward: what the backward GEMMs of a Linear whose `output` is wider than its
+            `compute` make of the wide output gradient: "round" it to compute (the default),
+            "split2" or "split3" it into 2 or 3 pieces in compute, one GEMM each, summed
+            wide, or compute them "wide". Not inherited, like `output`. (Default: None)
+
+    Compute also takes "bf16x9" or "bf16x3": fp32 compute whose Linear GEMMs are emulated
+    from bf16 pieces of their fp32 operands (9 products, as cuBLAS's "bfx9"; or the 3
+    largest), in both passes.
 
     Example:
         >>> p = Policy.parse("compute=bf16,storage=fp32")
@@ -110,16 +122,29 @@ class Policy:
     master: torch.dtype | str | None = None
     grad: torch.dtype | None = None
     optim: torch.dtype | str | None = None
+    backward: str | None = None
 
     def __post_init__(self) -> None:
         compute, gemm = (None, None) if self.compute is None else parse_compute(self.compute)
         if self.gemm is not None:
-            if not isinstance(self.gemm, str) or self.gemm.strip().lower() not in FP8_RECIPES:
-                raise ValueError(f"gemm must be one of {', '.join(map(repr, FP8_RECIPES))}. "
+            valid = (*FP8_RECIPES, *EMULATIONS)
+            if not isinstance(self.gemm, str) or self.gemm.strip().lower() not in valid:
+                raise ValueError(f"gemm must be one of {', '.join(map(repr, valid))}. "
                                  f"Received: gemm={self.gemm!r}")
             gemm = self.gemm.strip().lower()
+        if gemm in EMULATIONS:
+            if compute not in (None, fp32):
+                raise ValueError(f"compute={dtype_name(compute)} with gemm={gemm!r}: {gemm} "
+                                 "emulates fp32 GEMMs; the module computes in fp32")
+            compute = fp32
         object.__setattr__(self, "compute", compute)
         object.__setattr__(self, "gemm", gemm)
+        if self.backward is not None:
+            key = self.backward.strip().lower() if isinstance(self.backward, str) else None
+            if key not in BACKWARDS:
+                raise ValueError(f"backward must be one of {', '.join(map(repr, BACKWARDS))}."
+                                 f" Received: backward={self.backward!r}")
+            object.__setattr__(self, "backward", key)
         for field in FIELDS[1:]:
             value = getattr(self, field)
             if value is not None:
@@ -151,6 +176,8 @@ class Policy:
         head, comma, rest = stripped.partition(",")
         if comma and "=" not in head and "=" in rest:  # a base, then fields: "fp32,output=fp32"
             return cls.parse(head).merge(cls.parse(rest))
+        if lowered in EMULATIONS:  # fp32 throughout, its GEMMs emulated
+            return cls(compute=fp32, storage=fp32, comm=fp32, gemm=lowered)
         if "=" not in stripped:
             dtype = _bare_dtype(text)
             return cls(compute=dtype, storage=dtype, comm=dtype)
@@ -159,6 +186,8 @@ class Policy:
     def show(self, field: str) -> str:
         """One field as the table and the string form print it: "bf16", or for the compute of
         an fp8 module "fp8-rowwise/bf16" (GEMMs / other ops), "-" where unset."""
+        if field == "compute" and self.gemm in EMULATIONS:
+            return self.gemm
         if field == "compute" and self.gemm is not None:
             return self.gemm + (f"/{dtype_name(self.compute)}" if self.compute else "")
         value = getattr(self, field)
@@ -168,15 +197,35 @@ class Policy:
             return value
         return "fp8" if value == FP8 else dtype_name(value)
 
-    def __str__(self) -> str:
+    def _parts(self) -> list[str]:
         parts = [f"{f}={self.show(f)}" for f in FIELDS
                  if getattr(self, f) is not None or (f == "compute" and self.gemm)]
+        return parts + ([f"backward={self.backward}"] if self.backward else [])
+
+    def __str__(self) -> str:
+        parts = self._parts()
         return ",".join(parts) if parts else "inherit"
 
     def __repr__(self) -> str:
-        parts = [f"{f}={self.show(f)}" for f in FIELDS
-                 if getattr(self, f) is not None or (f == "compute" and self.gemm)]
-        return f"Policy({', '.join(parts)})"
+        return f"Policy({', '.join(self._parts())})"
+
+    @property
+    def fp8(self) -> str | None:
+        """The fp8 recipe this module's Linear GEMMs run in, or None."""
+        return self.gemm if self.gemm in FP8_RECIPES else None
+
+    @property
+    def emulation(self) -> str | None:
+        """"bf16x9" or "bf16x3" where this module's fp32 Linear GEMMs are emulated, or None."""
+        return self.gemm if self.gemm in EMULATIONS else None
+
+    @property
+    def wide_output(self) -> bool:
+        """True when this module's Linear GEMMs hand back a wider dtype than they compute
+        in (`output` wider than a low `compute`): accumulated and returned in `output`, never
+        rounded to `compute` on the way."""
+        return (self.compute in LOW_PRECISION and self.output is not None
+                and wider(self.output, self.compute))
 
     def items(self) -> Iterator[tuple[str, torch.dtype | str | None]]:
         """(field, value) pairs in field order: a dtype, or for master and optim a name
@@ -191,7 +240,8 @@ class Policy:
                                   for f, v in other.items()}
         gemm = other.gemm if other.gemm is not None else (
             None if other.compute is not None else self.gemm)
-        return Policy(**fields, gemm=gemm)
+        backward = other.backward if other.backward is not None else self.backward
+        return Policy(**fields, gemm=gemm, backward=backward)
 
     @property
     def grad_comm(self) -> torch.dtype | None:
@@ -202,7 +252,8 @@ class Policy:
 
     def is_empty(self) -> bool:
         """True when no field is set."""
-        return all(v is None for _, v in self.items()) and self.gemm is None
+        return (all(v is None for _, v in self.items()) and self.gemm is None
+                and self.backward is None)
 
     def uses(self, dtype: torch.dtype) -> bool:
         """True when any forward field is `dtype` (the dtypes the forward and backward run)."""
@@ -334,12 +385,12 @@ def policy_from(
 ) -> Policy:
     """Combine a positional spec with keyword fields; the keywords win field by field."""
     base = Policy() if spec is None else as_policy(spec, argument=argument)
-    unknown = [k for k in fields if k not in FIELDS]
+    unknown = [k for k in fields if k not in (*FIELDS, "backward")]
     if unknown:
         raise TypeError(
             f"Unknown policy field {unknown[0]!r}. Valid fields: {', '.join(FIELDS)}"
         )
-    given = {k: v if k == "compute" else _read(k, v) for k, v in fields.items()
+    given = {k: v if k in ("compute", "backward") else _read(k, v) for k, v in fields.items()
              if v is not None}
     return base.merge(Policy(**given)) if given else base  # type: ignore[arg-type]
 
@@ -391,6 +442,6 @@ def _pairs(text: str) -> dict[str, object]:
         field = _KEY_ALIASES[key]
         if field in values:
             raise ValueError(f"Policy key {field!r} is given twice in {text!r}.")
-        values[field] = (value.strip() if field == "compute" else
+        values[field] = (value.strip() if field in ("compute", "backward") else
                          _read(field, value.strip()))
     return values

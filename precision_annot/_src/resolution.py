@@ -227,14 +227,14 @@ def _levels(module: nn.Module, parent: _Path | None, fallback: Policy | None
     if stag is not None:
         levels.append(("scope", stag, _ALL))
     if parent is not None:
-        inherits = _ALL if parent.container else _ALL - {"output"}
+        inherits = _ALL if parent.container else _ALL - {"output", "backward"}
         levels.append(("inherited", parent.policy, inherits))
     elif fallback is not None:
         levels.append(("default", fallback, _ALL))
     return levels
 
 
-_ALL = frozenset([*FIELDS, "gemm"])
+_ALL = frozenset([*FIELDS, "gemm", "backward"])
 
 
 def _fields(module: nn.Module, parent: _Path | None, fallback: Policy | None
@@ -252,6 +252,10 @@ def _fields(module: nn.Module, parent: _Path | None, fallback: Policy | None
                  and (p.gemm is not None or p.compute is not None)), (None, None))
     if slot[1] is not None:
         sources["gemm"], values["gemm"] = slot
+    backward = next(((src, p.backward) for src, p, passes in levels
+                     if "backward" in passes and p.backward is not None), (None, None))
+    if backward[1] is not None:
+        sources["backward"], values["backward"] = backward
     return Policy(**values), sources
 
 
@@ -261,7 +265,7 @@ def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str,
     reach a Linear layer: fp8 runs the GEMMs of nn.Linear layers, and nothing else. mxfp8
     must run over a dtype torchao's MX formats take."""
     _require_fp8_runs(entries, modules)
-    explicit = [n for n, e in entries.items() if e.sources.get("gemm") in
+    explicit = [n for n, e in entries.items() if e.policy.fp8 and e.sources.get("gemm") in
                 ("instance", "class", "rule")]
     if not explicit:
         return
@@ -274,11 +278,11 @@ def _require_linear_under_fp8(entries: dict[str, ModulePlan], modules: dict[str,
     if bad:
         first = entries[bad[0]]
         raise ValueError(
-            f"compute={first.policy.gemm} ({first.sources['gemm']} annotation) is set on "
+            f"compute={first.policy.fp8} ({first.sources['gemm']} annotation) is set on "
             f"{len(bad)} module(s) with no nn.Linear under them, e.g. {bad[0] or '(root)'!r} "
             f"({first.type.rsplit('.', 1)[-1]}): fp8 runs the GEMMs of nn.Linear layers, and "
             "this module has none. Annotate the Linear layers or a module that holds them "
-            f"(annotate(model, {{nn.Linear: 'compute={first.policy.gemm}'}})). Modules: "
+            f"(annotate(model, {{nn.Linear: 'compute={first.policy.fp8}'}})). Modules: "
             f"{bad[:8]}")
 
 
@@ -287,8 +291,8 @@ def _require_fp8_runs(entries: dict[str, ModulePlan], modules: dict[str, nn.Modu
     class; a class's own forward is refused when apply converts it)."""
     refused: dict[Refusal, list[tuple[str, Gemm]]] = {}
     for name, entry in entries.items():
-        if entry.policy.gemm is not None and isinstance(modules[name], nn.Linear):
-            gemm = Gemm(entry.policy.gemm, compute=entry.policy.compute)
+        if entry.policy.fp8 is not None and isinstance(modules[name], nn.Linear):
+            gemm = Gemm(entry.policy.fp8, compute=entry.policy.compute)
             for refusal in refusals(gemm, own_forward=False):
                 refused.setdefault(refusal, []).append((name, gemm))
     for refusal, layers in refused.items():

@@ -18,8 +18,16 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from precision_annot._src import float8, grads
-from precision_annot._src.boundary import Boundary, CastingDict, Region, get_tensor, set_tensor
+from precision_annot._src import float8, grads, recompute
+from precision_annot._src.arithmetic import Arithmetic, ArithmeticForward
+from precision_annot._src.boundary import (
+    Boundary,
+    CastingDict,
+    Region,
+    forward_state_restorer,
+    get_tensor,
+    set_tensor,
+)
 from precision_annot._src.checkpoints.loading import narrowed, warn_narrowed
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.execution import Execution, Key, Kind, Site, compile_plan
@@ -302,6 +310,13 @@ class ModuleState:
         self.converted = float8.commit(self.module, float8.build(self.module, gemm, self.name),
                                        gemm, self.name)
 
+    def compute_as(self, arith: Arithmetic) -> None:
+        """Make this Linear's GEMMs compute as `arith` says (a wide output, emulated fp32): its
+        forward becomes an `ArithmeticForward`, under the boundary `install` puts on it."""
+        assert isinstance(self.module, nn.Linear)
+        d = self.module.__dict__
+        d["forward"] = ArithmeticForward(self.module, arith, d.get("forward"))
+
     # -- installing -------------------------------------------------------------------------
     def install(self, site: Site | None, casting: Mapping[Kind, tuple[Region, frozenset[str]]],
                 text: str | None, planned: tuple[tuple[Kind, str, torch.dtype], ...],
@@ -331,12 +346,15 @@ class ModuleState:
             d["_apply"] = ConversionWatch(module, self.name, planned, owner, d.get("_apply"))
         d[self.ATTR] = self
 
-    def intact(self, site: Site | None, gemm: float8.Gemm | None) -> bool:
+    def intact(self, site: Site | None, gemm: float8.Gemm | None,
+               arith: Arithmetic | None = None) -> bool:
         """True when what `install` left is still there and does what `site` and `gemm`
         say."""
         converted = self.converted
         if (converted.gemm if converted else None) != gemm or (
                 converted and type(self.module) is converted.cls):
+            return False
+        if arith != arithmetic_of_module(self.module):
             return False
         boundary = find_boundary(self.module)[0]
         if site is None:
@@ -357,6 +375,12 @@ class ModuleState:
                     d["forward"] = boundary.inner
             else:
                 boundary.configure(None, None, ())  # wrapped by another library: pass through
+        forward = d.get("forward")
+        if isinstance(forward, ArithmeticForward):
+            if forward.inner is None:
+                del d["forward"]
+            else:
+                d["forward"] = forward.inner
         for attr, kind in (("extra_repr", ReprSuffix), ("_apply", ConversionWatch)):
             value = d.get(attr)
             if isinstance(value, kind):
@@ -377,6 +401,14 @@ class ModuleState:
 
 
 # -- finding what is installed --------------------------------------------------------------------
+
+def arithmetic_of_module(module: nn.Module) -> Arithmetic | None:
+    """The arithmetic `apply` gave this Linear's GEMMs (under its boundary, if any), or None."""
+    boundary, direct = find_boundary(module)
+    forward = boundary.inner if boundary is not None and direct else module.__dict__.get(
+        "forward")
+    return forward.arith if isinstance(forward, ArithmeticForward) else None
+
 
 def find_boundary(module: nn.Module) -> tuple[Boundary | None, bool]:
     """The `Boundary` this module's forward runs, and whether it is the forward itself (True) or
@@ -543,7 +575,8 @@ def _is_real(state: AppliedState | None, plan: PrecisionPlan, execution: Executi
             return False
     for name, module in named.items():
         own = ModuleState.of(module)
-        if own is None or not own.intact(execution.sites.get(name), execution.gemms.get(name)):
+        if own is None or not own.intact(execution.sites.get(name), execution.gemms.get(name),
+                                         execution.arithmetic.get(name)):
             return False
     return True
 
@@ -675,6 +708,7 @@ def apply(
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite must be a bool. Received: check_finite={check_finite!r}")
     assert plan is not None
+    recompute.install(forward_state_restorer)  # before anything changes: it may refuse
     with paused_gc():
         _apply(unwrap(model), plan, check_finite, resolved)
     return model
@@ -759,6 +793,9 @@ def _install(states: dict[str, ModuleState], execution: Execution,
     for (name, kind, tname), target in execution.targets.items():
         planned.setdefault(name, []).append((kind, tname, target.dtype))
     for name, module_state in states.items():
+        arith = execution.arithmetic.get(name)
+        if arith is not None:
+            module_state.compute_as(arith)
         module_state.install(execution.sites.get(name), casting.get(name, {}),
                              execution.reprs.get(name), tuple(planned.get(name, ())), state)
 

@@ -74,6 +74,8 @@ def tag_instance(module: nn.Module, policy: Policy, source: TagSource,
         fields["gemm"] = (policy.gemm, source)
     elif policy.compute is not None:
         fields.pop("gemm", None)
+    if policy.backward is not None:
+        fields["backward"] = (policy.backward, source)
     keep = keep_dtype or (old.keep_dtype if old else ())
     object.__setattr__(module, INSTANCE_TAG, InstanceTag(fields, keep))
 

@@ -3,6 +3,7 @@ gloo), and real training on 2 gloo ranks."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 from pathlib import Path
@@ -15,6 +16,8 @@ from torch import nn
 from precision_annot import (
     Policy,
     PrecisionPlan,
+    annotate,
+    applied_plan,
     apply,
     bf16,
     check,
@@ -435,3 +438,241 @@ def test_two_ranks_keep_fp32_islands_in_their_blocks_units_as_separate_units_com
             assert len(native["units"]) == BLOCKS + 1
         else:
             assert native["collectives"] == separate["collectives"] and native["kept"] == []
+
+
+@pytest.mark.skipif(not seams.FSDP2_GRAD_DTYPE, reason="FSDP2 keeps grad_dtype from torch 2.15")
+def test_unsynced_micro_batches_are_summed_in_the_reduce_dtype_and_check_says_so(
+        group: None) -> None:
+    """`bf16-true,grad=fp32` under `fully_shard`, FSDP2's accumulation idiom:
+    `set_requires_gradient_sync(False)` on the first 2 of 3 micro-batches. FSDP2 sums the
+    unreduced micro-batches in its reduce dtype (the plan's comm, bf16), so the weights equal a
+    hand loop summing in bf16, not the fp32 sums `grad=fp32` asks for (on 2 gloo ranks 7.8e-3
+    apart after 2 steps). `check(..., "fsdp", {"gradient_sync": False})` warns of it."""
+    from tests.workers.grads import mlp
+
+    spec = "bf16-true,grad=fp32"
+    plan = resolve(mlp(), default=spec)
+    assert "fsdp-unsynced-sums" not in [f.code for f in check(plan, "fsdp")]
+    (warned,) = [f for f in check(plan, "fsdp", {"gradient_sync": False})
+                 if f.code == "fsdp-unsynced-sums"]
+    assert warned.severity == "warning" and "sums the micro-batches it does not reduce in " \
+        "bf16, not fp32" in warned.message
+    assert not [f for f in check(resolve(mlp(), default=spec + ",comm=fp32"), "fsdp",
+                                 {"gradient_sync": False}) if f.code == "fsdp-unsynced-sums"]
+    with pytest.raises(TypeError, match="'gradient_sync' says whether every micro-batch"):
+        check(plan, "fsdp", {"gradient_sync": "no"})
+    model = fsdp.fully_shard(apply(mlp(), default=spec))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    hand = mlp().to(bf16)
+    for step in range(2):
+        model.zero_grad()
+        sums: dict[str, torch.Tensor] = {}
+        for micro in range(3):
+            model.set_requires_gradient_sync(micro == 2)
+            tokens = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(
+                100 + 10 * step + micro))
+            nn.functional.cross_entropy(model(tokens).float(), tokens).backward()
+            hand.zero_grad()
+            nn.functional.cross_entropy(hand(tokens).float(), tokens).backward()
+            for n, p in hand.named_parameters():
+                assert p.grad is not None
+                # the unsynced ones summed in bf16, then the synced one added into fp32
+                sums[n] = p.grad if n not in sums else sums[n] + p.grad
+            if micro == 2:
+                sums = {n: v.float() for n, v in sums.items()}
+        opt.step()
+        with torch.no_grad():
+            for n, p in hand.named_parameters():
+                p.add_(sums[n], alpha=-0.5)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.full_tensor().detach(), hand.get_parameter(n).detach()), n
+
+
+# -- torch 2.15's islands inside a unit, and check on models sharded otherwise ------------------
+
+needs_215 = pytest.mark.skipif(not seams.FSDP2_KEEPS_PARAM_DTYPE,
+                               reason="param_dtype_override_fn and grad_dtype: torch 2.15")
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.norm(torch.relu(self.proj(x)))
+        return out
+
+
+def _tied_islands() -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(_Block(), _Block(), nn.Linear(16, 4))
+    net[1].norm.weight = net[0].norm.weight  # two fp32 islands sharing one weight
+    annotate(net, {"0.norm": "fp32", "1.norm": "fp32"})
+    return net
+
+
+@needs_215
+def test_tied_fp32_islands_stay_in_the_unit_around_them(group: None) -> None:
+    """Two fp32 LayerNorm islands of a bf16-mixed model sharing a weight: torch 2.15's own
+    fully_shard(root, MixedPrecisionPolicy(param_dtype=bf16, param_dtype_override_fn keeping
+    both norms' parameters)) shards them in one unit and trains bit for bit as the hand loop
+    (/tmp/breaker40/fsdp_islands.py tied_hand, 2 gloo ranks); adapters.fsdp.fully_shard makes
+    each island a unit of its own and FSDP2 refuses ("Parameter '1.norm.weight' is shared with
+    a parameter already managed by another FSDP group"); check's fix, units=[''], refuses the
+    same."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from precision_annot.adapters import fsdp
+
+    by_hand = apply(_tied_islands(), default="bf16-mixed")
+    kept = {id(p) for block in by_hand[:2] for p in block.norm.parameters()}
+    fully_shard(by_hand, mp_policy=MixedPrecisionPolicy(
+        param_dtype=bf16, reduce_dtype=torch.float32, cast_forward_inputs=False,
+        param_dtype_override_fn=lambda p: p.dtype if id(p) in kept else None))
+    by_hand(torch.randn(4, 16)).float().sum().backward()  # torch can
+
+    net = _tied_islands()
+    fsdp.fully_shard(net, resolve(net, default="bf16-mixed"))
+    net(torch.randn(4, 16)).float().sum().backward()  # FSDP2's lazy init raises ValueError
+    plan = resolve(_tied_islands(), default="bf16-mixed")
+    fix = [f.fix for f in check(plan, "fsdp") if f.code == "fsdp-tied-units"]
+    assert fix == [], fix  # "Put their modules in one unit: fully_shard(model, units=[''])..."
+
+
+@needs_215
+def test_check_of_a_user_sharded_model_says_what_its_override_gathered(group: None) -> None:
+    """torch 2.15's override_fn sees only the parameter, so "keep norms in fp32" is written
+    `p.ndim == 1` and catches the Linear biases too. Each Linear then runs with a bf16 weight
+    and an fp32 bias under bf16 autocast (it computes in bf16, recorded); check says "FSDP2
+    computes '0', '2' and '4' (612 parameters) in another dtype than the plan (planned bf16,
+    fp32 instead)": 576 of those are bf16 weights, and nothing computes in fp32 there."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    class Lin(nn.Linear):
+        seen: set[tuple[torch.dtype, torch.dtype]]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = super().forward(x)
+            self.seen.add((self.weight.dtype, out.dtype))
+            return out
+
+    torch.manual_seed(0)
+    net = nn.Sequential(Lin(16, 16), nn.LayerNorm(16), Lin(16, 16), nn.LayerNorm(16), Lin(16, 4))
+    for m in (net[0], net[2], net[4]):
+        m.seen = set()
+    annotate(net, {"1": "fp32", "3": "fp32"})
+    apply(net, default="bf16-mixed")
+    fully_shard(net, mp_policy=MixedPrecisionPolicy(
+        param_dtype=bf16, reduce_dtype=torch.float32, cast_forward_inputs=False,
+        param_dtype_override_fn=lambda p: p.dtype if p.ndim == 1 else None))
+    net(torch.randn(4, 16)).float().sum().backward()
+    assert {d for m in (net[0], net[2], net[4]) for d in m.seen} == {(bf16, bf16)}  # ran in bf16
+    said = [f.message for f in check(net, "fsdp") if f.code == "fsdp-param-dtype"]
+    assert said == [], said
+
+
+def test_check_of_a_sharded_model_under_fsdps_checkpoint_wrapper_reads_its_islands(
+        group: None) -> None:
+    """Blocks wrapped by FSDP's apply_activation_checkpointing (non-reentrant), then
+    adapters.fsdp.fully_shard: the islands are gathered in fp32 (recorded) and 2-rank training
+    equals the hand loop bit for bit (/tmp/breaker40/fsdp_islands.py ckpt), but check says
+    "error fsdp-param-dtype: FSDP2 computes '0._checkpoint_wrapped_module.norm', ... (96
+    parameters) in another dtype than the plan (planned fp32, bf16 instead)", on torch 2.13
+    (separate units; also at 4f4ba85) and 2.15 (kept in the block's unit) alike."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrapper
+
+    from precision_annot.adapters import fsdp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(_Block(), _Block(), _Block(), nn.Linear(16, 4))
+    annotate(net, {f"{i}.norm": "fp32" for i in range(3)})
+    wrapper.apply_activation_checkpointing(net, checkpoint_wrapper_fn=functools.partial(
+        wrapper.checkpoint_wrapper, checkpoint_impl=wrapper.CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, _Block))
+    seen: set[torch.dtype] = set()
+    for m in net.modules():
+        if isinstance(m, nn.LayerNorm):
+            m.register_forward_hook(lambda mod, args, out: seen.add(mod.weight.dtype))
+    sharded = fsdp.fully_shard(net, resolve(net, default="bf16-mixed"))
+    sharded(torch.randn(4, 16)).float().sum().backward()
+    assert seen == {torch.float32}  # the islands ran on fp32 weights, as planned
+    said = [f.message for f in check(sharded, "fsdp") if f.code == "fsdp-param-dtype"]
+    assert said == [], said
+
+
+class _LookUp(nn.Module):
+    """An Embedding feeding a residual stream, as a language model's does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.fc = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.fc(self.norm(h))
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def _one_step(model: nn.Module, ids: torch.Tensor
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[torch.dtype]]:
+    """One forward and backward: the output, every full gradient, and the dtypes the
+    Embedding handed back."""
+    seen: set[torch.dtype] = set()
+    hook = model.get_submodule("embed").register_forward_hook(
+        lambda m, args, out: seen.add(out.dtype))
+    out = model(ids)
+    out.float().square().mean().backward()
+    hook.remove()
+    grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()
+             for n, p in model.named_parameters()}
+    return out.detach(), grads, seen
+
+
+def test_an_embedding_looks_up_in_its_storage_dtype_under_fsdp2_as_in_one_process(
+        group: None) -> None:
+    """The plan for an Embedding under "bf16-mixed" is what autocast does with it (and what
+    `apply` runs): a lookup computes nothing and autocast does not cast it, so it hands back
+    its fp32 rows and the ops after it round them where they compute. FSDP2 gathered it in
+    the unit's param_dtype, a bf16 lookup and a bf16 residual stream (on this 1-rank mesh the
+    output 1.6e-2 and the gradients 6.4e-3, relative, from one process). Its unit is now
+    gathered in fp32: the same numbers as `apply`, bit for bit (2 x 2 FSDP2 + TP:
+    test_fsdp2_and_tp_on_a_2x2_mesh). As a unit of its own, only the Embedding is gathered in
+    fp32, and its fp32 rows reach the unit gathered in bf16 as in one process (on a CPU a
+    LayerNorm gathered in bf16 refuses them: fp32 norm islands, as docs/backends/fsdp.md
+    says)."""
+    torch.manual_seed(0)
+    base = _LookUp()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    islands = copy.deepcopy(base)
+    annotate(islands, {nn.LayerNorm: "fp32"})
+    keep = seams.FSDP2_KEEPS_PARAM_DTYPE
+    for net, units, gathered in (
+            (base, None, [("", None)]),  # gathered as stored
+            (islands, [nn.Embedding], [("embed", None), ("", bf16)])):
+        want, want_grads, want_dtypes = _one_step(apply(copy.deepcopy(net),
+                                                        default="bf16-mixed"), ids)
+        sharded = apply(copy.deepcopy(net), default="bf16-mixed")
+        plan = applied_plan(sharded)
+        assert plan is not None
+        cut = fsdp.plan_units(plan, fsdp.unit_names(plan, sharded, units,
+                                                    keep_dtype_in_unit=keep),
+                              keep_dtype_in_unit=keep)
+        assert [(u.name, u.param_dtype) for u in cut if u.name != "norm"] == gathered
+        got, got_grads, got_dtypes = _one_step(fsdp.fully_shard(sharded, units=units), ids)
+        assert want_dtypes == got_dtypes == {fp32}
+        assert torch.equal(got, want)
+        for name, grad in want_grads.items():
+            assert torch.equal(got_grads[name], grad), name
+    # FSDP1 gathers it as stored too (0.5: param_dtype=bf16)
+    assert fsdp.mixed_precision(resolve(_LookUp(), default="bf16-mixed")).param_dtype is None
+    # bf16-true stores it in bf16: looked up in bf16 both ways, gathered as stored
+    plan = resolve(_LookUp(), default="bf16-true")
+    assert fsdp.plan_units(plan, [""])[0].param_dtype is None

@@ -39,8 +39,8 @@ def low_policies(low: SpecLike) -> tuple[Policy, Policy]:
 def speed_islands(model: nn.Module, policy: Policy) -> list[str]:
     """With fp8 `low`: the Linear layers whose GEMMs are too small for fp8 to gain, and every
     module that is not a Linear under fp8 (its ops run in the high compute anyway)."""
-    assert policy.gemm is not None
-    gemm = Gemm(policy.gemm)
+    assert policy.fp8 is not None
+    gemm = Gemm(policy.fp8)
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
             and too_small(gemm, m.out_features, m.in_features)]
 

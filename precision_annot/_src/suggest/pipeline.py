@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from precision_annot._src.casting import map_tree
-from precision_annot._src.dtypes import fp16
+from precision_annot._src.dtypes import dtype_name, fp16
 from precision_annot._src.float8 import Gemm, import_torchao, kernel_refusal
 from precision_annot._src.guards import require_module
 from precision_annot._src.policy import Policy, SpecLike
 from precision_annot._src.resolution import resolve
 from precision_annot._src.samples import as_call
+from precision_annot._src.suggest.arith import cheaper_arithmetic
 from precision_annot._src.suggest.batches import (
     as_given,
     as_loss_fn,
@@ -152,8 +153,8 @@ def suggest(
     args, kwargs = as_call(sample)
     require_real_data(model, (args, kwargs))
     reference = fp32_copy(model, training=losses is not None)
-    if policy.gemm:
-        _require_fp8_kernels(model, policy.gemm, low)
+    if policy.fp8:
+        _require_fp8_kernels(model, policy.fp8, low)
     with torch.random.fork_rng():
         # 1. the fp32 reference on the calibration batch
         calib, others, rows = _calibrate(reference, sample, (args, kwargs), held_out, losses,
@@ -180,8 +181,19 @@ def suggest(
         if measure:
             tables.on(calib)()
         # 4. report: met or not; when not, the smallest plan that runs finite and comes nearest
+        batches = Batches(calib, others)
         met, message, islands, final, held = outcome(
-            search, search.held_together(islands), message, Batches(calib, others), speed, why)
+            search, search.held_together(islands), message, batches, speed, why)
+        cheaper = cheaper_arithmetic(search, islands, batches, dict(reference.named_modules()),
+                                     lambda i, n: bar.update("cheaper arithmetic", i, n)
+                                     ) if met else None
+        if cheaper is not None:
+            islands, arithmetic, final, held = cheaper
+            share = max(final.errors().values()) / tolerance
+            message += (f" Of its islands, {len(arithmetic)} Linear layer(s) meet it with "
+                        f"{dtype_name(policy.compute)} GEMMs handing back fp32 instead, "
+                        f"cheaper than fp32 GEMMs (at {share:.2f} of the tolerance on the "
+                        f"calibration batch): {', '.join(arithmetic)}.")
     verified = bool(held) and rows >= MIN_ROWS
     loss_scale = search.scale if low_dtype == fp16 else None
     message += notes(met, verified, rows, loss_scale)
@@ -193,7 +205,8 @@ def suggest(
                       final=final, held_out=held, met=met, low=policy, tolerance=tolerance,
                       margin=float(margin), seconds=time.perf_counter() - start,
                       message=message, reasons=why, kept_for_speed=speed, island=island,
-                      runs=dict(search.runs), verified=verified, loss_scale=loss_scale)
+                      runs=dict(search.runs), verified=verified, loss_scale=loss_scale,
+                      arithmetic=search.arithmetic)
 
 
 def _require_fp8_kernels(model: nn.Module, recipe: str, low: SpecLike) -> None:
@@ -216,7 +229,7 @@ def _tolerance(policy: Policy, tolerance: float | None, margin: float) -> float:
     """The tolerance asked for, or the low dtype's default; both numbers checked."""
     assert policy.compute is not None
     if tolerance is None:
-        tolerance = FP8_TOLERANCE if policy.gemm else DEFAULT_TOLERANCE[policy.compute]
+        tolerance = FP8_TOLERANCE if policy.fp8 else DEFAULT_TOLERANCE[policy.compute]
     require_numbers(tolerance, margin)
     return float(tolerance)
 
@@ -252,7 +265,7 @@ def _calibrate(reference: nn.Module, sample: Any, call: tuple[tuple[Any, ...], d
 def _kept_for_speed(reference: nn.Module, policy: Policy, low: SpecLike) -> list[str]:
     """With an fp8 `low`: the Linear layers too small to gain, kept out of fp8 from the start
     (and a warning when that is all of them)."""
-    if not policy.gemm:
+    if not policy.fp8:
         return []
     speed = speed_islands(reference, policy)
     linears = sum(1 for m in reference.modules() if isinstance(m, nn.Linear))
@@ -271,7 +284,7 @@ class _Tables:
         self.bar = bar
         self.scale = search.scale  # the loss scale fp16 starts from: underflow is measured at it
         # under fp8 only Linear layers change: the rest run in the high compute anyway
-        self.eligible = None if not search.policy.gemm else {
+        self.eligible = None if not search.policy.fp8 else {
             n for n, m in search.reference.named_modules() if isinstance(m, nn.Linear)}
         self.done: dict[str, list[Sensitivity]] = {}
 

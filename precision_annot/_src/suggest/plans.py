@@ -40,10 +40,13 @@ def uniform_plan(structure: PrecisionPlan, policy: Policy) -> PrecisionPlan:
 
 
 def plan_for(structure: PrecisionPlan, policy: Policy, islands: Islands,
-          modules: dict[str, nn.Module] | None, island: Policy) -> PrecisionPlan:
+             modules: dict[str, nn.Module] | None, island: Policy,
+             arithmetic: dict[str, Policy] | None = None) -> PrecisionPlan:
     """`structure` (a resolved plan, for names, classes and kept arguments) with everything in
     `policy` but the islands and their subtrees in `island`; an island marked True hands its
-    output back in fp32."""
+    output back in fp32; the Linear layers of `arithmetic` in their own policy (the low
+    dtype's GEMMs with an fp32 output)."""
+    arithmetic = arithmetic or {}
     policies: dict[str, Policy] = {}
     sources: dict[str, dict[str, Source | None]] = {}
     handing = dataclasses.replace(island, output=fp32)
@@ -51,11 +54,15 @@ def plan_for(structure: PrecisionPlan, policy: Policy, islands: Islands,
         owner = covering(name, islands)
         chosen = policy if owner is None else handing if (owner == name and islands[name]) \
             else island
+        if owner is None and name in arithmetic:
+            chosen, owner = arithmetic[name], name
         source: Source = "default" if not name else "rule" if owner == name else "inherited"
         policies[name] = chosen
         sources[name] = {f: (source if v is not None else None) for f, v in chosen.items()}
-        if chosen.gemm is not None:
+        if chosen.fp8 is not None:
             sources[name]["gemm"] = source
+        if chosen.backward is not None:
+            sources[name]["backward"] = source
     planned = structure.with_policies(policies, sources)
     return PrecisionPlan(dict(planned.items()), default=policy, model_type=structure.model_type,
                          modules=modules)

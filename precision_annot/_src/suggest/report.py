@@ -154,6 +154,10 @@ class Suggestion:
         tolerance: the tolerance asked for; the calibration batch is held to `margin` times it.
         kept_for_speed: Linear layers kept out of fp8 because their GEMMs are too small to
             gain (fp8 `low` only).
+        arithmetic: Linear layers that the search made islands but that meet the tolerance
+            with the low dtype's GEMMs and an fp32 output (then a 2-piece backward), cheaper
+            than fp32 GEMMs, by name: their policy ("bf16-mixed,output=fp32" and so on). They
+            are in `plan` and `rules`, not in `islands`.
         reasons: why each island was added: "a non-finite value arose in it", "gradients", ...
         runs: what `suggest` ran, by kind: fp32 reference steps, checks (a step in the low
             dtype each), backward passes (a retry when fp16 gradients overflow the loss
@@ -170,13 +174,16 @@ class Suggestion:
                  low: Policy, tolerance: float, margin: float, seconds: float, message: str,
                  reasons: dict[str, str], kept_for_speed: list[str], island: Policy,
                  runs: dict[str, int] | None = None, verified: bool = True,
-                 loss_scale: float | None = None) -> None:
+                 loss_scale: float | None = None,
+                 arithmetic: dict[str, Policy] | None = None) -> None:
         self.islands = [i for i in islands if i not in kept_for_speed]
         self.outputs = [i for i, out in islands.items() if out]
         text = "bf16" if island.compute == bf16 and island.storage != bf16 else "fp32"
-        text = f"compute={dtype_name(island.compute)}" if low.gemm else text
+        text = f"compute={dtype_name(island.compute)}" if low.fp8 else text
         self.rules: list[tuple[str, str]] = [
             (name, f"{text},output=fp32" if islands[name] else text) for name in islands]
+        self.arithmetic = {n: str(p) for n, p in (arithmetic or {}).items()}
+        self.rules += list(self.arithmetic.items())
         self.plan = plan
         self.table = table
         self.checks = checks
@@ -223,7 +230,7 @@ class Suggestion:
         errors = ", ".join(f"{k} error {v:.2e}" for k, v in self.final.errors().items())
         held_worst = max(self.held_out, key=lambda c: max(c.errors().values()) / c.limit,
                          default=None)
-        kind = "high-precision" if self.low.gemm else "fp32"
+        kind = "high-precision" if self.low.fp8 else "fp32"
         return [
             f"suggest: everything in {self.low} ({self.low.show('compute')} compute), "
             f"tolerance {self.tolerance:g} (the calibration batch held to {self.margin:g} of "
@@ -234,11 +241,21 @@ class Suggestion:
             f"{held / max(total, 1):.0%}): "
             + (", ".join(i + (" (output fp32)" if i in self.outputs else "")
                          for i in self.islands) or "none"),
+            *self._arithmetic_lines(kind),
             f"calibration batch: {errors}",
             ("held-out batches: none" if held_worst is None else
              f"held-out batches ({len(self.held_out)}), the worst: "
              + ", ".join(f"{k} {v:.2e}" for k, v in held_worst.errors().items())),
         ]
+
+    def _arithmetic_lines(self, kind: str) -> list[str]:
+        """The line naming the Linear layers that run the low dtype's GEMMs with an fp32
+        output instead of being islands, if any."""
+        if not self.arithmetic:
+            return []
+        return [f"instead of {kind} islands, the low dtype's GEMMs with an fp32 output: "
+                + ", ".join(f"{n} (backward={Policy.parse(p).backward or 'round'})"
+                            for n, p in self.arithmetic.items())]
 
     def _table(self) -> list[str]:
         header = ("module", "type", "params", "error alone", "peak |x|", "peak/max",
@@ -274,6 +291,7 @@ class Suggestion:
             "message": self.message,
             "islands": self.islands,
             "output_fp32": self.outputs,
+            "arithmetic": self.arithmetic,
             "reasons": self.reasons,
             "kept_for_speed": self.kept_for_speed,
             "errors": {k: number(v) for k, v in self.final.errors().items()},

@@ -63,6 +63,9 @@ class Search:
         self.settled_near = False
         #: the limit the calibration batch is held to once it settled
         self.settled_limit: float | None = None
+        #: Linear layers whose GEMMs run in the low dtype with a wide output instead of being
+        #: islands (`arith.cheaper_arithmetic`), with their policy
+        self.arithmetic: dict[str, Policy] = {}
 
     def held_together(self, islands: Islands) -> Islands:
         """The islands with every owner of a parameter they share with a module outside: a
@@ -113,7 +116,8 @@ class Search:
         of the next island needs); without, pass or fail is all the caller reads (pruning,
         stepping down), and no run is watched."""
         islands = self.held_together(islands)
-        key = (islands_key(islands), sample.label, limit)
+        key = (islands_key(islands), sample.label, limit,
+               tuple(sorted((n, str(p)) for n, p in self.arithmetic.items())))
         found = self._seen(key)
         if found is not None and not (find and _unplaced(found)):
             return found if found.limit == limit else held_to(found, limit)
@@ -135,12 +139,13 @@ class Search:
     def _seen(self, key: tuple[Any, ...]) -> Check | None:
         """The run of these islands on this batch, held to this limit or another."""
         return self.memo.get(key) or next(
-            (c for (k, label, _), c in self.memo.items() if k == key[0] and label == key[1]),
-            None)
+            (c for (k, label, _, arith), c in self.memo.items()
+             if k == key[0] and label == key[1] and arith == key[3]), None)
 
     def plan(self, islands: Islands, modules: dict[str, nn.Module] | None = None,
              structure: PrecisionPlan | None = None) -> PrecisionPlan:
-        return plan_for(structure or self.structure, self.policy, islands, modules, self.island)
+        return plan_for(structure or self.structure, self.policy, islands, modules, self.island,
+                        self.arithmetic)
 
 
 def _unplaced(check: Check) -> bool:

@@ -24,6 +24,7 @@ from precision_annot._src.findings import listing
 from precision_annot._src.float8 import import_torchao
 from precision_annot._src.guards import require_plan
 from precision_annot._src.plan import PrecisionPlan, nearest, parent_name
+from precision_annot._src.policy import autocast_mode
 from precision_annot._src.runtime import apply, plan_of
 from precision_annot._src.selectors import Selector, matcher
 from precision_annot._src.wrappers import unwrap
@@ -73,44 +74,74 @@ def _plan_units(plan: PrecisionPlan, keep_dtype_in_unit: bool = False) -> set[st
     those gathered in their own storage dtype), every change of storage, and every change of
     comm on a module that holds parameters."""
     chosen = {""}
-    tied = _tied_holders(plan) if keep_dtype_in_unit else set()
+    ties = _tie_groups(plan) if keep_dtype_in_unit else []
     for name, entry in plan.items():
         if not name:
             continue
         policy, parent = entry.policy, plan[parent_name(name)].policy
         changes = (policy.storage != parent.storage
                    or (policy.comm != parent.comm and entry.params))
-        if changes or (entry.boundary and not (keep_dtype_in_unit and _keeps(plan, name, tied))):
+        if changes or (entry.boundary and not (keep_dtype_in_unit and _keeps(plan, name, ties))):
             chosen.add(name)
     return chosen
 
 
-def _tied_holders(plan: PrecisionPlan) -> set[str]:
-    """The modules holding a parameter another module holds too."""
-    out: set[str] = set()
+def _tie_groups(plan: PrecisionPlan) -> list[set[str]]:
+    """The modules holding each parameter that several modules hold."""
+    groups: dict[str, set[str]] = {}
     for name, entry in plan.items():
         for info in entry.own_params:
             if info.tied is not None:
-                out.update((name, info.tied.rpartition(".")[0]))
-    return out
+                groups.setdefault(info.tied, {info.tied.rpartition(".")[0]}).add(name)
+    return list(groups.values())
 
 
-def _keeps(plan: PrecisionPlan, name: str, tied: set[str]) -> bool:
+def _keeps(plan: PrecisionPlan, name: str, ties: list[set[str]]) -> bool:
     """A boundary the unit around it can hold: gathered in its storage dtype or its parent's
-    compute, reduced as its parent (its members too: they inherit its comm), and holding no
-    parameter tied to a module outside it (FSDP2 gathers a tied parameter once, in one dtype:
-    such an island stays a unit of its own, which FSDP2 refuses, and `check` says so)."""
+    compute, reduced as its parent (its members too: they inherit its comm), and sharing a
+    parameter only with modules that need it in the same dtype (FSDP2 gathers a shared
+    parameter once, in one dtype: an fp32 island tied to a bf16 embedding stays a unit of its
+    own, which FSDP2 refuses, and `check` says so; two fp32 islands sharing a weight both stay
+    in the unit around them)."""
     policy, parent = plan[name].policy, parent_name(name)
-    inside = [t for t in tied if t == name or t.startswith(f"{name}.")]
-    return (not inside and policy.grad_comm == plan[parent].policy.grad_comm
+    needed = _needed(plan, name)
+    inside = [g for g in ties if any(m == name or m.startswith(f"{name}.") for m in g)]
+    return (all(_needed(plan, m) == needed for g in inside for m in g)
+            and policy.grad_comm == plan[parent].policy.grad_comm
             and _gathered_as(plan, name) in (None, policy.storage, _gathered_as(plan, parent)))
+
+
+def _needed(plan: PrecisionPlan, name: str) -> torch.dtype | None:
+    """The dtype a module's parameters are gathered in for its forward: its compute, else its
+    storage."""
+    return _gathered_as(plan, name) or plan[name].policy.storage
 
 
 def _gathered_as(plan: PrecisionPlan, name: str) -> torch.dtype | None:
     """The dtype a module's parameters must be gathered in for its forward: its compute dtype
-    (None where it keeps its storage's)."""
-    compute = plan[name].policy.compute
-    return compute if isinstance(compute, torch.dtype) else None
+    (None where it keeps its storage's); an Embedding's storage dtype under autocast.
+
+    An Embedding computes nothing: it hands back rows of its weight, and autocast does not
+    cast a lookup, so under `"bf16-mixed"` (bf16 compute over fp32 storage) its output is its
+    fp32 rows, which the ops after it round where they compute (as `torch.autocast`, Lightning
+    and the Hugging Face Trainer run it, and as `apply` does). Gathered in bf16, its lookup
+    would hand back bf16 rows: a bf16 residual stream where one process keeps an fp32 one
+    (gradients 1.1e-2 apart on 2 x 2 FSDP2 + TP)."""
+    entry = plan[name]
+    compute = entry.policy.compute
+    if not isinstance(compute, torch.dtype):
+        return None
+    if _looked_up(plan, name):
+        return entry.policy.storage
+    return compute
+
+
+def _looked_up(plan: PrecisionPlan, name: str) -> bool:
+    """Whether a module is an Embedding under autocast: its lookup hands back its weight's
+    rows in their storage dtype (`_gathered_as`)."""
+    entry = plan[name]
+    return (entry.has("embedding") and entry.policy.storage is not None
+            and autocast_mode(entry.policy) == "autocast")
 
 
 def selectors(units: Any, what: str) -> list[Selector]:
@@ -213,10 +244,16 @@ def plan_units(plan: PrecisionPlan, names: list[str], *, keep_dtype_in_unit: boo
 
 def _kept(plan: PrecisionPlan, name: str, holders: list[str]) -> tuple[str, ...] | None:
     """The holders a unit gathering in its own compute keeps in their storage dtype, or None
-    where one needs a third dtype (the unit is then gathered in the widest)."""
+    where one needs a third dtype (the unit is then gathered in the widest).
+
+    An Embedding under autocast is not kept alone: its fp32 rows reach the modules beside it
+    (a norm gathered in bf16 then refuses them on a CPU, "mixed dtype (CPU)"), so its unit is
+    gathered in the widest, as one process holds them all."""
     own = _gathered_as(plan, name)
     kept = []
     for m in holders:
+        if _looked_up(plan, m):
+            return None
         needed = _gathered_as(plan, m)
         if needed is None or needed == own:
             continue
@@ -233,7 +270,7 @@ def _gather(plan: PrecisionPlan, name: str, holders: list[str], keep_dtype_in_un
     kept = _kept(plan, name, holders) if keep_dtype_in_unit else None
     if kept:
         return plan[name].policy.compute, kept
-    return widest(plan[m].policy.compute for m in holders) or plan[name].policy.compute, ()
+    return widest(_gathered_as(plan, m) for m in holders) or plan[name].policy.compute, ()
 
 
 def _unit(plan: PrecisionPlan, name: str, members: list[str], keep_dtype_in_unit: bool = False
@@ -320,11 +357,12 @@ def fully_shard(
     so `keep_dtype` arguments such as rotary tables keep their dtype. On torch 2.15 and later
     an island computing in its storage dtype (an fp32 norm in a bf16-mixed model) stays in the
     unit around it, its parameters gathered in fp32 through the policy's
-    `param_dtype_override_fn`: 3 collectives a step fewer per island. A module with a master
-    copy (`storage=bf16,master=fp32`) is sharded in the master's dtype and gathered in its
-    storage's: the fp32 shards are the masters, and `precision_annot.optimizer` (or any
-    optimizer) steps them; its `optim` states (torchao's low-bit ones included) live on the
-    shards.
+    `param_dtype_override_fn`: 3 collectives a step fewer per island. The unit holding an
+    Embedding under autocast is gathered in its storage dtype: a lookup hands back its rows
+    uncast, as in one process. A module with a master copy (`storage=bf16,master=fp32`) is
+    sharded in the master's dtype and gathered in its storage's: the fp32 shards are the
+    masters, and `precision_annot.optimizer` (or any optimizer) steps them; its `optim` states
+    (torchao's low-bit ones included) live on the shards.
 
     Args:
         model: the model, on its device, not yet sharded.

@@ -13,8 +13,14 @@ arguments and applies each style as the model's precision plan says:
 - a row-parallel Linear's `comm` is the dtype of its partial sums and their all-reduce
   (`PlannedRowwiseParallel`); a column-parallel Linear's `comm` that of its input gradient's
   (`PlannedColwiseParallel`): `comm=fp32` over bf16 compute gives a result independent of the
-  TP degree up to one final rounding;
+  TP degree up to one final rounding; unset, its compute dtype (torch's column-parallel style
+  reduces the input's gradient in the dtype the input arrived in, fp32 under bf16 autocast);
+- a column-parallel module keeping a plain style (an fp8 layer, a Linear subclass with its own
+  forward) has its input cast to its compute dtype before the style makes it a DTensor, so its
+  input's gradient is reduced in that dtype;
 - parameters replicated over the TP mesh have their partial gradients reduced in their `comm`.
+
+`tp.reduced_in(model)` says the dtype each sum runs in, and `audit` records it.
 
 `check(model, "tp", {"parallelize_plan": ..., "tp_degree": ...})` says the same before launch.
 """
@@ -43,7 +49,11 @@ from precision_annot._src.runtime import (
 from precision_annot._src.wrappers import unwrap
 from precision_annot.adapters.tp.choice import Decision, Note, decide, match
 from precision_annot.adapters.tp.grads import ReplicatedGrads, replicated
-from precision_annot.adapters.tp.styles import PlannedColwiseParallel, PlannedRowwiseParallel
+from precision_annot.adapters.tp.styles import (
+    InputCast,
+    PlannedColwiseParallel,
+    PlannedRowwiseParallel,
+)
 
 __all__ = ["PlannedColwiseParallel", "PlannedRowwiseParallel", "decisions",
            "parallelize_module", "reduced_in", "styles"]
@@ -106,12 +116,26 @@ def _warn_unmatched(module: nn.Module, keys: list[str]) -> None:
                          else f"Module names start with: {', '.join(map(repr, names[:5]))}."))
 
 
+#: notes that refuse the TP plan before any module is sharded
+REFUSED = frozenset({"tp-style-refused"})
+
+
+def _refuse(chosen: list[Decision]) -> None:
+    """Raise for a decision torch's parallelize_module would refuse midway, leaving the
+    modules before it sharded: before anything is."""
+    for decision in chosen:
+        for note in decision.notes:
+            if note.code in REFUSED:
+                raise ValueError(f"parallelize_module: {note.message} {note.fix}")
+
+
 def _warn_notes(chosen: list[Decision]) -> None:
     """One warning per kind of note, naming every module it concerns."""
     by_code: dict[str, list[tuple[str, Note]]] = {}
     for decision in chosen:
         for note in decision.notes:
-            if note.severity != "info":
+            # the style asked for is replaced: surprising at run time, a note to `check`
+            if note.severity != "info" or note.code == "tp-fp8-style-not-fp8":
                 by_code.setdefault(note.code, []).append((decision.name, note))
     for found in by_code.values():
         first = found[0][1]
@@ -185,8 +209,10 @@ def parallelize_module(
     root = unwrap(module)
     unplanned = plan is None and applied_plan(root) is None and _owner_plan(root) is None
     precision, prefix = model_plan(root, plan, "parallelize_module")
+    degree = device_mesh.size() if device_mesh is not None else None
+    chosen = decisions(root, parallelize_plan, precision, prefix, degree)
+    _refuse(chosen)
     _warn_unmatched(root, match(root, parallelize_plan)[1])
-    chosen = decisions(root, parallelize_plan, precision, prefix)
     if unplanned:
         _warn_unplanned(root, chosen, precision)
     _warn_notes(chosen)
@@ -194,20 +220,33 @@ def parallelize_module(
     for decision in chosen:
         local = decision.name[len(prefix) + 1:] if prefix else decision.name
         torch_parallelize(named[local], device_mesh, decision.style, src_data_rank=src_data_rank)
+        if decision.precast is not None:
+            _precast(named[local], decision.precast)
     _hook_replicated(root, chosen, precision, prefix)
     root.__dict__.setdefault(_DECISIONS, []).extend(chosen)
     return module
 
 
 def decisions(module: nn.Module, parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle],
-              plan: PrecisionPlan, prefix: str = "") -> list[Decision]:
-    """The style each module the TP plan names gets under `plan`, in the order they are
-    applied (`prefix`: `module`'s name in `plan`)."""
+              plan: PrecisionPlan, prefix: str = "", degree: int | None = None
+              ) -> list[Decision]:
+    """The style each module the TP plan names gets under `plan` on a TP mesh of `degree`
+    ranks (None: not known), in the order they are applied (`prefix`: `module`'s name in
+    `plan`)."""
     found, _ = match(module, parallelize_plan)
     everything = plan.modules() or None
     named = dict(module.named_modules())
-    return [decide(_full(prefix, name), named[name], style, plan, everything)
+    return [decide(_full(prefix, name), named[name], style, plan, everything, degree)
             for _, name, style in found]
+
+
+def _precast(module: nn.Module, dtype: torch.dtype) -> None:
+    """An `InputCast` pre-hook on a column-parallel module keeping a plain style, run before
+    the style's own (which makes the input a DTensor), once per module."""
+    # NOTE: nn.Module has no public way to list its hooks; `_forward_pre_hooks` is read only,
+    # so that parallelizing a module twice hooks it once
+    if not any(isinstance(h, InputCast) for h in module._forward_pre_hooks.values()):
+        module.register_forward_pre_hook(InputCast(dtype), prepend=True)
 
 
 def _hook_replicated(root: nn.Module, chosen: list[Decision], plan: PrecisionPlan,
@@ -246,6 +285,9 @@ def styles(module: nn.Module) -> dict[str, ParallelStyle]:
 
 def reduced_in(module: nn.Module) -> dict[str, torch.dtype]:
     """The dtype each module under `module` that `parallelize_module` gave a reducing style
-    sums its partial results across ranks in (a row-parallel Linear's output, a
-    column-parallel Linear's input gradient), by name in the precision plan."""
+    sums its partial results across ranks in, as it runs (a row-parallel module's output, a
+    column-parallel module's input gradient), by name in the precision plan. A
+    column-parallel module whose input arrives already a DTensor (gathered by a
+    `PrepareModuleInput` above it, with `use_local_output=False`) under a plain style leaves
+    that sum to the module that made the DTensor."""
     return {d.name: d.reduce for d in _applied(module) if d.reduce is not None}

@@ -1,7 +1,11 @@
 """What `check(model, "tp", {"parallelize_plan": ..., "tp_degree": N})` says: the decisions
-`parallelize_module` would make (an fp8 style asked for a module not planned in fp8, a comm
-that could act only on the wire), TP plan keys naming no module, and fp8 layers whose local
-shard breaks their kernels' blocks."""
+`parallelize_module` would make (a style torch refuses for the module, a comm its kept style
+cannot reduce in, an fp8 style asked for a module not planned in fp8, an uneven shard torch's
+style fails on), TP plan keys naming no module (an error where the module meant was one half
+of a column/row-parallel pair: the other half then meets a full-size tensor), and fp8 layers
+whose local shard breaks their kernels' blocks.
+
+Each finding was judged against real runs on gloo ranks (`tests/adapters/test_tp.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from precision_annot._src.check_backend import LOOP_KEYS, CheckBackend, Checked
@@ -16,7 +21,14 @@ from precision_annot._src.findings import Finding, listing
 from precision_annot._src.float8 import MX_BLOCK
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.runtime import Subject
-from precision_annot.adapters.tp.choice import Decision, decide, match
+from precision_annot.adapters.tp.choice import (
+    Decision,
+    decide,
+    fp8_recipe,
+    match,
+    named_by,
+    role,
+)
 
 __all__ = ["CHECKS", "CONFIG_KEYS", "TPChecks", "findings"]
 
@@ -52,28 +64,92 @@ def findings(plan: PrecisionPlan, model: nn.Module | None, config: Any) -> list[
     tp_plan, degree = _options(config or {})
     found, unmatched = match(model, tp_plan)
     named = dict(model.named_modules())
-    chosen = [decide(name, named[name], style, plan, named) for _, name, style in found]
-    out = list(_unmatched(model, unmatched))
+    chosen = [decide(name, named[name], style, plan, named, degree)
+              for _, name, style in found]
+    styles = tp_plan if isinstance(tp_plan, Mapping) else {}
+    out = list(_unmatched(model, unmatched, styles, found))
     out += _notes(chosen)
     if degree is not None:
         out += _shards(plan, named, chosen, degree)
     return out
 
 
-def _unmatched(model: nn.Module, keys: list[str]) -> Iterator[Finding]:
+def _facing(style: ParallelStyle) -> str | None:
+    """The side a style hands or takes shards on, toward its partner in a Megatron pair:
+    "out" (a column-parallel style whose output stays sharded), "in" (a row-parallel one
+    whose input arrives sharded), or None."""
+    kind = role(style)[0]
+    if kind == "colwise" and isinstance(getattr(style, "output_layouts", (None,))[0], Shard):
+        return "out"
+    if kind == "rowwise" and isinstance(getattr(style, "input_layouts", (None,))[0], Shard):
+        return "in"
+    return None
+
+
+def _meant(model: nn.Module, key: str, taken: set[str]) -> str | None:
+    """The module an unmatched key most likely meant, by its name in the key's parent: the
+    closest name among the children of the modules its parent part names, that no other key
+    shards; None where none is close."""
+    import difflib
+
+    parent, _, last = key.rpartition(".")
+    named = dict(model.named_modules())
+    children = {child for p in named_by(model, parent) for child, _ in named[p].named_children()
+                if (f"{p}.{child}" if p else child) not in taken}
+    close = difflib.get_close_matches(last, sorted(children), n=1, cutoff=0.6)
+    return f"{parent}.{close[0]}" if close and parent else (close[0] if close else None)
+
+
+def _broken_pair(key: str, styles: Mapping[str, ParallelStyle],
+                 found: list[tuple[str, str, ParallelStyle]]) -> bool:
+    """Whether an unmatched key's style is one half of a column/row-parallel pair whose other
+    half a key beside it (the same parent part) shards."""
+    side = _facing(styles[key])
+    if side is None:
+        return False
+    parent = key.rpartition(".")[0]
+    other = "in" if side == "out" else "out"
+    return any(k != key and k.rpartition(".")[0] == parent and _facing(s) == other
+               for k, _, s in found)
+
+
+def _unmatched(model: nn.Module, keys: list[str], styles: Mapping[str, ParallelStyle],
+               found: list[tuple[str, str, ParallelStyle]]) -> Iterator[Finding]:
+    """A key naming no module is skipped (torch warns). The module it most likely meant (a
+    close name no other key shards) then runs unsharded on every rank: a warning; an error
+    where that module is one half of a column/row-parallel pair whose other half is sharded
+    (the first forward fails). A key like no module's name means nothing this model holds:
+    nothing runs otherwise than planned (info)."""
     import difflib
 
     names = [n for n, _ in model.named_modules() if n]
+    taken = {n for _, n, _ in found}
     for key in keys:
         close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-        yield Finding(
-            "warning", "tp-plan-unmatched", "",
-            f"The TP plan key {key!r} names no module: parallelize_module (torch's and this "
-            "one) skips it with a warning, so the module you meant runs unsharded on every "
-            "rank, and a style paired with it (a ColwiseParallel before a RowwiseParallel) "
-            "meets a full-size tensor where it expects a shard.",
-            "Use a module name from the model: " + (
-                ", ".join(map(repr, close)) if close else ", ".join(map(repr, names[:5]))) + ".")
+        fix = "Use a module name from the model: " + (
+            ", ".join(map(repr, close)) if close else ", ".join(map(repr, names[:5]))) + "."
+        meant = _meant(model, key, taken)
+        if meant is None:
+            yield Finding(
+                "info", "tp-plan-unmatched", "",
+                f"The TP plan key {key!r} names no module, and none of the model's is named "
+                "like it: parallelize_module (torch's and this one) skips it with a warning.",
+                fix)
+        elif _broken_pair(key, styles, found):
+            partner = "RowwiseParallel" if _facing(styles[key]) == "out" else "ColwiseParallel"
+            yield Finding(
+                "error", "tp-plan-unmatched", "",
+                f"The TP plan key {key!r} names no module; it seems to mean {meant!r}, one "
+                f"half of a {type(styles[key]).__name__} / {partner} pair whose other half "
+                "is sharded: parallelize_module (torch's and this one) skips the key with a "
+                "warning, and the first forward fails, the sharded half meeting a full-size "
+                "tensor (\"mat1 and mat2 shapes cannot be multiplied\").", fix)
+        else:
+            yield Finding(
+                "warning", "tp-plan-unmatched", "",
+                f"The TP plan key {key!r} names no module: parallelize_module (torch's and "
+                f"this one) skips it with a warning, so the module it seems to mean, {meant!r}, "
+                "runs unsharded on every rank.", fix)
 
 
 def _notes(chosen: list[Decision]) -> list[Finding]:
@@ -100,31 +176,49 @@ def _sizes(n: int, degree: int) -> list[int]:
 
 
 def _broken(plan: PrecisionPlan, module: nn.Module, decision: Decision, degree: int
-            ) -> int | None:
-    """The size of a local shard of an fp8 Linear that breaks its kernels' blocks where its
-    global shape did not, or None."""
-    gemm = plan[decision.name].policy.gemm
+            ) -> str | None:
+    """Why the local shard of an fp8 Linear breaks its kernels where its global shape did not,
+    or None.
+
+    MX (measured on gloo, 2 and 4 ranks, hidden sizes 32 to 256): torchao cuts the sharded
+    dimension into blocks of 32 as a view of the DTensor, which DTensor refuses where the TP
+    degree does not divide the number of blocks ("Cannot unflatten unevenly sharded
+    tensor"); a single block is no split, and runs (its shards are not multiples of 32).
+    Per-tensor and row-wise fp8: GPU kernels (torch._scaled_mm) take multiples of 16."""
+    gemm = fp8_recipe(plan[decision.name], module)
     if gemm is None or decision.role not in ("colwise", "rowwise") or not isinstance(
             module, nn.Linear):
         return None
-    multiple = MX_BLOCK if gemm == "mxfp8" else FP8_MULTIPLE
     in_, out = module.in_features, module.out_features
-    if in_ % multiple or out % multiple:
-        return None  # the global shape already breaks them: fp8-dims says so
     cut = out if decision.role == "colwise" else in_
-    return next((s for s in _sizes(cut, degree) if s % multiple), None)
+    if gemm == "mxfp8":
+        if in_ % MX_BLOCK or out % MX_BLOCK:
+            return None  # the global shape already breaks them: fp8-dims says so
+        blocks = cut // MX_BLOCK
+        if blocks > 1 and blocks % degree:
+            return (f"cuts its {cut} features into {blocks} MX blocks of {MX_BLOCK}, which "
+                    f"{degree} ranks do not divide: torchao's MX cast views the sharded "
+                    "weight as blocks, and DTensor refuses the view (\"Cannot unflatten "
+                    "unevenly sharded tensor\"), on a CPU too")
+        return None
+    if in_ % FP8_MULTIPLE or out % FP8_MULTIPLE:
+        return None
+    local = next((s for s in _sizes(cut, degree) if s % FP8_MULTIPLE), None)
+    if local is None:
+        return None
+    return (f"holds {local} of its {cut} sharded features on a rank of {degree}, and fp8 GPU "
+            f"kernels (torch._scaled_mm) take multiples of {FP8_MULTIPLE}, so its first fp8 "
+            "GEMM on a GPU fails (a CPU emulates fp8 and runs it)")
 
 
 def _shards(plan: PrecisionPlan, named: Mapping[str, nn.Module], chosen: list[Decision],
             degree: int) -> Iterator[Finding]:
-    """fp8 Linears whose local shard breaks what the global shape satisfied: MX's blocks of
-    32 along each GEMM's inner dimension (the forward's, the backward's), and the multiples
-    of 16 fp8 GPU kernels take."""
-    bad = [(d.name, local) for d in chosen
-           if (local := _broken(plan, named[d.name], d, degree)) is not None]
+    """fp8 Linears whose local shard breaks what the global shape satisfied."""
+    bad = [(d.name, why) for d in chosen
+           if (why := _broken(plan, named[d.name], d, degree)) is not None]
     if not bad:
         return
-    name, local = bad[0]
+    name, why = bad[0]
     gemm = plan[name].policy.gemm
     module = named[name]
     assert isinstance(module, nn.Linear)
@@ -132,14 +226,11 @@ def _shards(plan: PrecisionPlan, named: Mapping[str, nn.Module], chosen: list[De
     yield Finding(
         "error", "tp-fp8-shard", name,
         f"{listing([b[0] for b in bad])} run fp8 GEMMs (compute={gemm}) on shards of their "
-        f"weight: {name!r} ({module.in_features} -> {module.out_features}) holds {local} "
-        f"features of its sharded dimension on a rank of {degree}, and "
-        + ("MX scales blocks of 32 along every GEMM's inner dimension, so its GEMMs refuse "
-           "the shard (on a CPU too)." if mx else
-           "fp8 GPU kernels (torch._scaled_mm) take multiples of 16, so its first fp8 GEMM "
-           "on a GPU fails (a CPU emulates fp8 and runs it)."),
-        f"Use a TP degree that leaves each shard a multiple of {MX_BLOCK if mx else FP8_MULTIPLE}, "
-        f"or keep {name!r} out of fp8 (annotate(model, {{{name!r}: 'compute=bf16'}})).",
+        f"weight: {name!r} ({module.in_features} -> {module.out_features}) {why}.",
+        (f"Use a TP degree that divides the number of {MX_BLOCK}-wide blocks of the sharded "
+         "dimension" if mx else
+         f"Use a TP degree that leaves each shard a multiple of {FP8_MULTIPLE}")
+        + f", or keep {name!r} out of fp8 (annotate(model, {{{name!r}: 'compute=bf16'}})).",
         tuple(b[0] for b in bad))
 
 

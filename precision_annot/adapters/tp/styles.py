@@ -28,8 +28,8 @@ from torch.distributed.tensor.placement_types import Placement
 from precision_annot._src.dtypes import widest
 from precision_annot._src.runtime import find_boundary
 
-__all__ = ["PlannedColwiseParallel", "PlannedRowwiseParallel", "TPState", "state_of",
-           "wide_mm"]
+__all__ = ["InputCast", "PlannedColwiseParallel", "PlannedRowwiseParallel", "TPState",
+           "state_of", "wide_mm"]
 
 STATE = "_precision_annot_tp"
 
@@ -288,6 +288,33 @@ def install(module: nn.Module, st: TPState) -> None:
     boundary = find_boundary(module)[0]
     if boundary is not None:
         boundary.configure(boundary.spec, boundary.region, boundary.planned, boundary.swap)
+
+
+class InputCast:
+    """A forward pre-hook run before a plain column-parallel style's own: the module's input,
+    a local tensor, is cast to `dtype` (its compute dtype) before the style makes it a
+    DTensor. torch's style reduces the input's gradient where the input became a DTensor, in
+    the dtype it had there; the cast autocast (or an fp8 layer) makes for the GEMM comes
+    after, so an input arriving in fp32 under bf16 autocast had its gradient all-reduced in
+    fp32. Cast here, the same rounding happens before, and the gradient, which the GEMM hands
+    back in `dtype`, is reduced in `dtype` and cast back to the input's dtype after.
+
+    Args:
+        dtype: the dtype to cast the input to.
+    """
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        x = args[0] if args else None
+        if (not isinstance(x, torch.Tensor) or isinstance(x, DTensor)
+                or not x.is_floating_point() or x.dtype == self.dtype):
+            return None
+        return (x.to(self.dtype), *args[1:])
+
+    def __repr__(self) -> str:
+        return f"InputCast({self.dtype})"
 
 
 class PlannedRowwiseParallel(RowwiseParallel):
