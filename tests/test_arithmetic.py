@@ -303,3 +303,60 @@ def test_audit_records_the_arithmetic_each_linear_ran() -> None:
     with pa.audit(model) as report:
         model(torch.randn(4, 16))
     assert [(d.module, d.field) for d in report.divergences] == [("2", "arithmetic")]
+
+
+class _WeightRouter(nn.Module):
+    """A router holding its weight and calling F.linear, as transformers' MoE routers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 32) / 32 ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = torch.nn.functional.linear(x, self.weight)
+        return logits, torch.softmax(logits.float(), -1).topk(2, -1).indices
+
+
+def test_a_router_holding_its_weight_gets_the_wide_output_of_its_own_gemm() -> None:
+    """transformers' routers (Mixtral's, Qwen's, DeepSeek's) are no nn.Linear: they run
+    F.linear on a weight of their own. That GEMM hands back fp32 too (it silently stayed bf16);
+    a GEMM of the same forward by another tensor keeps the compute dtype's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=8,
+        num_experts_per_tok=2)
+    model = transformers.MixtralForCausalLM(config)
+    pa.annotate(model, {"*.gate": "bf16-mixed,output=fp32,backward=split2"})
+    pa.apply(model, default="bf16-mixed")
+    gate = model.model.layers[0].mlp.gate
+    assert not isinstance(gate, nn.Linear)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    gate.register_forward_hook(lambda m, args, out: seen.append((args[0], out[0])) and None)
+    with pa.audit(model) as report:
+        model(input_ids=torch.randint(0, 64, (1, 16))).logits.float().sum().backward()
+    x, logits = seen[0]
+    want = x.reshape(-1, 32).to(bf16).float() @ gate.weight.to(bf16).float().t()
+    assert logits.dtype == fp32 and torch.equal(logits, want)
+    assert report["model.layers.0.mlp.gate"].arithmetic == {
+        "bf16 operands, fp32 output, backward split2"}
+    assert report.divergences == []
+    assert gate.weight.grad is not None and gate.weight.grad.dtype == fp32
+    pa.remove(model)
+    assert "forward" not in gate.__dict__
+
+
+def test_a_router_holding_its_weight_compiles_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _WeightRouter())
+    pa.annotate(model, {"1": "bf16-mixed,output=fp32"})
+    pa.apply(model, default="bf16-mixed")
+    x = torch.randn(16, 32).to(bf16)
+    eager = model(x)
+    compiled = torch.compile(model)(x)
+    assert eager[0].dtype == fp32
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    h = torch.nn.functional.linear(x, model[0].weight.to(bf16), model[0].bias.to(bf16))
+    want = h.float() @ model[1].weight.to(bf16).float().t()
+    assert torch.equal(eager[0], want)

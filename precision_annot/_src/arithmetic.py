@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import types
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from precision_annot._src import seams
 
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
     from precision_annot._src.policy import Policy
 
 __all__ = ["BACKWARDS", "EMULATIONS", "Arithmetic", "ArithmeticForward", "Backward", "Emulation",
-           "linear", "mm", "of_policy", "pieces"]
+           "ModuleGemms", "linear", "mm", "of_policy", "owns_gemm_weights", "pieces",
+           "runs_linear_forward"]
 
 Backward: TypeAlias = Literal["round", "split2", "split3", "wide"]
 Emulation: TypeAlias = Literal["bf16x3", "bf16x9"]
@@ -249,6 +252,59 @@ def of_policy(policy: Policy) -> Arithmetic | None:
         return Arithmetic(policy.compute, policy.output,
                           policy.backward or "round")  # type: ignore[arg-type]
     return None
+
+
+def owns_gemm_weights(module: nn.Module) -> bool:
+    """True when `module` holds a 2-D floating parameter of its own: the weight of a GEMM its
+    forward may run through `F.linear` (a router holding its `weight`, as transformers' MoE
+    routers do, or an nn.Linear subclass with a forward of its own)."""
+    return any(p is not None and p.dim() == 2 and p.is_floating_point()
+               for p in module._parameters.values())
+
+
+class _OwnGemms(TorchFunctionMode):
+    """Routes the `F.linear` calls whose weight is one of a module's own (or the copy its
+    forward reads of it) through `linear` with the module's arithmetic."""
+
+    def __init__(self, weights: set[int], arith: Arithmetic) -> None:
+        super().__init__()
+        self.weights, self.arith = weights, arith
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x = args[0] if args else kwargs["input"]
+            w = args[1] if len(args) > 1 else kwargs["weight"]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if id(w) in self.weights:
+                return linear(x, w, b, self.arith)
+        return func(*args, **kwargs)
+
+
+class ModuleGemms:
+    """The forward of a module that is not a plain nn.Linear but runs `F.linear` on a weight
+    of its own (transformers' MoE routers): run as it is, with those GEMMs computed as
+    `arith` says. Set as the instance's `forward` by `apply`; `inner` is the instance forward
+    it replaced, if any."""
+
+    def __init__(self, module: nn.Module, arith: Arithmetic,
+                 inner: Callable[..., Any] | None) -> None:
+        self.module, self.arith, self.inner = module, arith, inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        weights: set[int] = set()
+        for name, p in module._parameters.items():
+            if p is not None and p.dim() == 2:
+                weights.update((id(p), id(getattr(module, name))))
+        forward = self.inner if self.inner is not None else types.MethodType(
+            type(module).forward, module)
+        with _OwnGemms(weights, self.arith):
+            return forward(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"ModuleGemms({self.arith})"
 
 
 class ArithmeticForward:

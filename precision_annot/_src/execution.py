@@ -17,7 +17,12 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
-from precision_annot._src.arithmetic import Arithmetic, of_policy, runs_linear_forward
+from precision_annot._src.arithmetic import (
+    Arithmetic,
+    of_policy,
+    owns_gemm_weights,
+    runs_linear_forward,
+)
 from precision_annot._src.boundary import Boundary, BoundarySpec, Planned, Region, keep_binding
 from precision_annot._src.dtypes import FP8, dtype_name
 from precision_annot._src.float8 import Gemm
@@ -146,12 +151,14 @@ def compile_plan(plan: PrecisionPlan, named: Mapping[str, nn.Module], *,
 
 def arithmetic_of(plan: PrecisionPlan, named: Mapping[str, nn.Module]
                   ) -> dict[str, Arithmetic]:
-    """The Linear layers (running nn.Linear's forward) whose plan gives their GEMMs a wide
-    output or emulated fp32, with that arithmetic."""
+    """The modules whose plan gives their GEMMs a wide output or emulated fp32, with that
+    arithmetic: Linear layers, and modules whose forward runs `F.linear` on a 2-D weight of
+    their own (transformers' MoE routers)."""
     out = {}
     for name, entry in plan.items():
         arith = of_policy(entry.policy)
-        if arith is not None and runs_linear_forward(named[name]):
+        module = named[name]
+        if arith is not None and (runs_linear_forward(module) or owns_gemm_weights(module)):
             out[name] = arith
     return out
 

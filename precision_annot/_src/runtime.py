@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from precision_annot._src import float8, grads, recompute
-from precision_annot._src.arithmetic import Arithmetic, ArithmeticForward
+from precision_annot._src.arithmetic import (
+    Arithmetic,
+    ArithmeticForward,
+    ModuleGemms,
+    runs_linear_forward,
+)
 from precision_annot._src.boundary import (
     Boundary,
     CastingDict,
@@ -313,9 +318,10 @@ class ModuleState:
     def compute_as(self, arith: Arithmetic) -> None:
         """Make this Linear's GEMMs compute as `arith` says (a wide output, emulated fp32): its
         forward becomes an `ArithmeticForward`, under the boundary `install` puts on it."""
-        assert isinstance(self.module, nn.Linear)
-        d = self.module.__dict__
-        d["forward"] = ArithmeticForward(self.module, arith, d.get("forward"))
+        module = self.module
+        d = module.__dict__
+        kind = ArithmeticForward if runs_linear_forward(module) else ModuleGemms
+        d["forward"] = kind(module, arith, d.get("forward"))  # type: ignore[arg-type]
 
     # -- installing -------------------------------------------------------------------------
     def install(self, site: Site | None, casting: Mapping[Kind, tuple[Region, frozenset[str]]],
@@ -376,7 +382,7 @@ class ModuleState:
             else:
                 boundary.configure(None, None, ())  # wrapped by another library: pass through
         forward = d.get("forward")
-        if isinstance(forward, ArithmeticForward):
+        if isinstance(forward, (ArithmeticForward, ModuleGemms)):
             if forward.inner is None:
                 del d["forward"]
             else:
@@ -407,7 +413,7 @@ def arithmetic_of_module(module: nn.Module) -> Arithmetic | None:
     boundary, direct = find_boundary(module)
     forward = boundary.inner if boundary is not None and direct else module.__dict__.get(
         "forward")
-    return forward.arith if isinstance(forward, ArithmeticForward) else None
+    return forward.arith if isinstance(forward, (ArithmeticForward, ModuleGemms)) else None
 
 
 def find_boundary(module: nn.Module) -> tuple[Boundary | None, bool]:

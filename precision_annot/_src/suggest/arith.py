@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from precision_annot._src.arithmetic import runs_linear_forward
+from precision_annot._src.arithmetic import owns_gemm_weights, runs_linear_forward
 from precision_annot._src.dtypes import LOW_PRECISION, fp32
 from precision_annot._src.policy import Policy
 from precision_annot._src.suggest.outcome import Batches
@@ -39,7 +39,8 @@ def cheaper_arithmetic(search: Search, islands: Islands, batches: Batches,
     low = search.policy
     if low.fp8 is not None or low.compute not in LOW_PRECISION:
         return None
-    linear = [n for n in islands if runs_linear_forward(modules[n])]
+    linear = [n for n in islands
+              if runs_linear_forward(modules[n]) or owns_gemm_weights(modules[n])]
     if not linear:
         return None
     kept, chosen = dict(islands), dict[str, Policy]()
