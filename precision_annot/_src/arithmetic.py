@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import types
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from precision_annot._src import seams
@@ -185,7 +185,11 @@ class _Linear(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        # once differentiable: the saved operands are rounded copies, not linked to `x` and `w`,
+        # so a double backward through these GEMMs would miss their terms (41% off, silently);
+        # it raises instead
         xc, wc = ctx.saved_tensors
         arith: Arithmetic = ctx.arith
         g = _flat(grad)
@@ -198,7 +202,7 @@ class _Linear(torch.autograd.Function):
             grad_w = _backward_mm(g.t(), xc, arith).to(w_dtype)
         if need_b and ctx.bias is not None:
             rounded = round_to(g, arith.operands) if arith.backward == "round" else g
-            grad_b = rounded.float().sum(0).to(ctx.bias)
+            grad_b = rounded.to(arith.output).sum(0).to(ctx.bias)  # summed in the wide dtype
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
@@ -258,8 +262,8 @@ def owns_gemm_weights(module: nn.Module) -> bool:
     """True when `module` holds a 2-D floating parameter of its own: the weight of a GEMM its
     forward may run through `F.linear` (a router holding its `weight`, as transformers' MoE
     routers do, or an nn.Linear subclass with a forward of its own)."""
-    return any(p is not None and p.dim() == 2 and p.is_floating_point()
-               for p in module._parameters.values())
+    return any(p.dim() == 2 and p.is_floating_point()
+               for p in module.parameters(recurse=False))
 
 
 class _OwnGemms(TorchFunctionMode):
@@ -295,13 +299,15 @@ class ModuleGemms:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         weights: set[int] = set()
-        for name, p in module._parameters.items():
-            if p is not None and p.dim() == 2:
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 2:
                 weights.update((id(p), id(getattr(module, name))))
-        forward = self.inner if self.inner is not None else types.MethodType(
-            type(module).forward, module)
         with _OwnGemms(weights, self.arith):
-            return forward(*args, **kwargs)
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            # the class's forward called with the module (Dynamo traces this; a bound method
+            # made by `types.MethodType` breaks `torch.compile(fullgraph=True)`)
+            return type(module).forward(module, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"ModuleGemms({self.arith})"

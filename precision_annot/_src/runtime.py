@@ -146,7 +146,9 @@ class AppliedState:
             moved = held.rewrap_loaded_weight() or moved
         if self.wide is not None:
             self.wide.bind(model)
-        if moved:
+        if moved or any(guard.planned(p) is None for p in model.parameters()):
+            # (new parameters: `assign=True`, or made since apply, as `to_empty` makes them;
+            # the masters made for them, and the values kept for those, follow the plan)
             guard.note([], guard.planned_updates(self.plan, named))
 
 
@@ -161,6 +163,30 @@ def _view(tensor: torch.Tensor) -> tuple[Any, ...]:
     except (RuntimeError, NotImplementedError):
         pass
     return (id(tensor),)
+
+
+def _set_data(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`param.data = value`, and the parameter stays the same object: an optimizer's state,
+    its hooks, its `grad_dtype` and weak references to it stay with it.
+
+    A tensor subclass that wraps inner tensors (a DTensor, under tensor parallelism or FSDP2)
+    holds them, and what they are (a DTensor's spec, with its dtype), in Python attributes
+    that `.data` leaves as they were: the parameter would say the new dtype and compute with
+    the old. Those attributes (its slots and its own `__dict__`) are taken from `value` too,
+    as `torch.utils.swap_tensors` takes them; that one refuses a tensor anything holds a weak
+    reference to (this package's step guard, torch.compile's guards), so it is not used.
+    """
+    param.data = value
+    if not (float8.is_wrapper_subclass(value) and type(value) is type(param)):
+        return
+    names = set(value.__dict__)
+    for cls in type(value).__mro__:
+        if cls not in (torch.Tensor, object):
+            slots = cls.__dict__.get("__slots__", ())
+            names.update((slots,) if isinstance(slots, str) else slots)
+    for name in sorted(names - {"__dict__", "__weakref__"}):
+        if hasattr(value, name):
+            setattr(param, name, getattr(value, name))
 
 
 class ReprSuffix:
@@ -283,7 +309,7 @@ class ModuleState:
                 grad = tensor.grad
                 if grad is not None:
                     tensor.grad = None
-                tensor.data = value
+                _set_data(tensor, value)
                 if grad is not None:  # in the dtype it accumulates in from now on
                     tensor.grad = grad.to(getattr(tensor, "grad_dtype", None) or value.dtype)
         else:
@@ -740,11 +766,14 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
     for module in named.values():
         ModuleState.strip(module)
     states = {name: ModuleState(module, name) for name, module in named.items()}
+    updates = guard.planned_updates(plan, named)
+    # (a master this plan keeps for a parameter it narrows mid-run starts from its values now)
+    guard.narrowing([(tensor, tensor.detach(), cast.dtype) for key, tensor, cast in prepared
+                     if key[1] == "param"], updates)
     for (name, kind, tname), _, cast in prepared:
         states[name].cast(kind, tname, cast)
     guard.note([(tensor, current[key], f"{key[0]}.{key[2]}" if key[0] else key[2])
-                for key, tensor, _ in prepared if key[1] == "param"],
-               guard.planned_updates(plan, named))
+                for key, tensor, _ in prepared if key[1] == "param"], updates)
     if execution.gemms:
         float8.prepare_compile()
     for name, gemm in execution.gemms.items():

@@ -8,8 +8,9 @@ keeps state between calls but a scratch buffer per thread.
 
 API (every list holds one entry per parameter, in the same order; the tensors of one
 parameter are on one device, have its shape and are contiguous, as torch's fused kernels
-take them; a gradient stored narrower than the compute dtype may have any layout; states,
-`params`, `stored` and `steps` are updated in place):
+take them; a gradient stored narrower than the compute dtype may have any layout (one that
+is cut into chunks and is not contiguous is copied contiguous first, in its own dtype);
+states, `params`, `stored` and `steps` are updated in place):
 
 - `adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, lr, beta1, beta2,
   eps, weight_decay, decoupled, amsgrad=False, maximize=False, stored=None, grad_scale=None,
@@ -71,7 +72,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from precision_annot._src.float8 import import_torchao
+from precision_annot._src.update.formats import torchao_module
 
 __all__ = ["CHUNK", "LowBit", "adam", "fused_available", "lowbit_adam", "lowbit_state", "sgd"]
 
@@ -128,6 +129,14 @@ def _flat(t: Tensor, what: str) -> Tensor:
         raise ValueError(f"the update kernels step contiguous tensors only; received {what} "
                          f"of shape {tuple(t.shape)} and stride {t.stride()}.")
     return t.view(-1)
+
+
+def _flat_any(t: Tensor) -> Tensor:
+    """`t` flat: a view where it is contiguous (every tensor a loop cuts but a gradient stored
+    narrower than the compute dtype, which `_prepare` lets have any layout), else a contiguous
+    copy in its own dtype (a transposed bf16 gradient: its pieces are widened into the
+    chunks' scratch from that copy)."""
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
 
 
 class _Layout:
@@ -207,8 +216,8 @@ class _Layout:
                 out.append(t)
             elif repeat:
                 out.extend([t] * len(split))
-            elif split:  # (contiguous: `_prepare` checked)
-                out.extend(t.view(-1).split_with_sizes(split))
+            elif split:
+                out.extend(_flat_any(t).split_with_sizes(split))
         return out
 
 
@@ -550,7 +559,7 @@ def sgd(params: Sequence[Tensor], grads: Sequence[Tensor],
 
 
 def _torchao(name: str) -> Any:
-    return import_torchao(name, "a low-bit optimizer state")
+    return torchao_module(name, "low-bit")
 
 
 #: torchao's quantization functions, looked up once (outside the compiled step, which reads
@@ -824,9 +833,11 @@ def _lowbit_one(i: int, p: Tensor, grad: Tensor, step: Tensor, states: list[Tens
         raise ValueError(f"params[{i}] has {p.numel()} elements, not a whole number of its "
                          f"states' blocks of {block}.")
     parts = [_parts(s, block) for s in states]
-    flat = [None if t is None else _flat(t, f"{name}[{i}]").view(-1, block) if block > 1
-            else _flat(t, f"{name}[{i}]") for name, t in (("params", p), ("grads", grad),
-                                                           ("stored", stored))]
+    # detached: a view of a parameter is traced with its base, and a parameter whose
+    # `grad_dtype` is wider than it (grad=fp32) cannot be faked with its gradient
+    flat = [None if t is None else _flat(t.detach(), f"{name}[{i}]").view(-1, block)
+            if block > 1 else _flat(t.detach(), f"{name}[{i}]")
+            for name, t in (("params", p), ("grads", grad), ("stored", stored))]
     kernel: Callable[..., None] = _lowbit_kernel
     if compiled:
         _dynamic([*flat, *(t for _, ts in parts for t in ts[:2])])

@@ -284,3 +284,103 @@ def test_the_8bit_default_is_compiled_once_per_layout_and_equals_torchao_by_hand
             else:
                 assert torch.equal(a, b)
     assert type(opt.state[ours[0].weight]["exp_avg"]).__name__ == "OptimState8bit"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "fp8"])
+def test_grad_fp32_with_a_low_bit_state_compiles_and_equals_torchao_by_hand(
+        fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`grad=fp32` beside a low-bit state, with a master (layer 0) and without (layer 1), under
+    the default compiled update: bit for bit torchao's own optimizer by hand, over fp32
+    masters fed the fp32 gradients and over the bf16 weights themselves. Before: the first
+    step crashed for every format, with and without masters (`InternalTorchDynamoError:
+    attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype
+    'BFloat16'`: Dynamo faked the parameter behind the kernel's view of it, with its fp32
+    gradient)."""
+    monkeypatch.setattr(engines, "COMPILE", True)
+    optim = pytest.importorskip("torchao.optim")
+    cls = {"8bit": optim.AdamW8bit, "4bit": optim.AdamW4bit, "fp8": optim.AdamWFp8}[fmt]
+    widths = (64, 128, 96)  # weights of 8,192 and 12,288 elements: quantized; biases not
+    torch.manual_seed(0)
+    ours = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    pa.annotate(ours, {"0": f"bf16-true,master=fp32,grad=fp32,optim={fmt}",
+                       "1": f"bf16-true,grad=fp32,optim={fmt}"})
+    pa.apply(ours)
+    assert {p.grad_dtype for p in ours.parameters()} == {fp32}
+    opt = pa.optimizer(ours, torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        train(ours, opt, 3)
+        hand = model_for("bf16-true", widths)
+        for p in hand.parameters():
+            p.grad_dtype = fp32
+        masters = [p.detach().float().clone() for p in hand[0].parameters()]
+        refs = (cls(masters, lr=1e-2, weight_decay=0.01),
+                cls(list(hand[1].parameters()), lr=1e-2, weight_decay=0.01))
+        for i in range(3):
+            x = torch.randn(8, widths[0], generator=torch.Generator().manual_seed(i))
+            hand.zero_grad()
+            hand(x.to(bf16)).float().pow(2).mean().backward()
+            for m, p in zip(masters, hand[0].parameters(), strict=True):
+                m.grad = p.grad
+            for ref in refs:
+                ref.step()
+            with torch.no_grad():
+                for m, p in zip(masters, hand[0].parameters(), strict=True):
+                    p.copy_(m)
+    theirs = dict(zip(hand[0].parameters(), masters, strict=True))
+    for p, q in zip(ours.parameters(), hand.parameters(), strict=True):
+        assert torch.equal(p, q)
+        held = theirs.get(q, q)
+        mine = opt.state[p]
+        if held is not q:
+            assert torch.equal(opt.master(p), held)  # type: ignore[arg-type]
+        state = (refs[0] if held is not q else refs[1]).state[held]
+        for name in ("exp_avg", "exp_avg_sq"):
+            a, b = mine[name], state[name]
+            assert type(a) is type(b)
+            if hasattr(a, "codes"):
+                assert torch.equal(a.codes, b.codes) and torch.equal(a.scale, b.scale)
+            else:
+                assert torch.equal(a, b)
+    assert type(opt.state[ours[1].weight]["exp_avg"]).__name__.startswith("OptimState")
+
+
+@pytest.mark.parametrize("kernel", ["adam", "sgd"])
+def test_a_narrow_gradient_of_any_layout_cut_into_chunks_is_stepped(kernel: str) -> None:
+    """`update_kernels` takes a gradient stored narrower than the masters in any layout: here
+    a transposed bf16 gradient of a parameter cut into chunks, beside a narrowed one that fits
+    in a chunk. The step equals torch's fused step on the gradients upcast (and made
+    contiguous: torch's fused CPU step reads a non-contiguous gradient as if it were; one
+    AdamW step of lr 1e-3 on a transposed one lands 2e-3 from its for-loop step, on torch 2.13
+    and 2.15), bit for bit. Before:
+    the cut one was viewed flat (`.view(-1)`), which raised "view size is not compatible with
+    input tensor's size and stride"."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(96, 80), (40, 8)]  # 7,680 elements cut into chunks of 1,024; 320 in one
+    grads = [[torch.randn(s[::-1], generator=gen).to(bf16).t() for s in shapes[:1]]
+             + [torch.randn(40, 16, generator=gen).to(bf16)[:, ::2]] for _ in range(2)]
+    assert not any(g.is_contiguous() for step in grads for g in step)
+    masters = [torch.randn(s, generator=gen) for s in shapes]
+    ours = [m.clone() for m in masters]
+    stored = [m.to(bf16) for m in masters]
+    hand = [nn.Parameter(m.clone()) for m in masters]
+    hyper: dict[str, Any] = {"lr": 1e-2, "weight_decay": 0.1}
+    if kernel == "adam":
+        ref: torch.optim.Optimizer = torch.optim.AdamW(hand, fused=True, **hyper)
+        moments = [[torch.zeros_like(m) for m in masters] for _ in range(2)]
+        steps = [torch.zeros(()) for _ in masters]
+    else:
+        ref = torch.optim.SGD(hand, fused=True, momentum=0.9, **hyper)
+        buffers: list[torch.Tensor | None] = [None] * len(masters)
+    for step in grads:
+        if kernel == "adam":
+            update_kernels.adam(ours, step, *moments, [], steps, beta1=0.9, beta2=0.999,
+                                eps=1e-8, decoupled=True, stored=stored, chunk=1024, **hyper)
+        else:
+            update_kernels.sgd(ours, step, buffers, momentum=0.9, stored=stored, chunk=1024,
+                               **hyper)
+        for p, g in zip(hand, step, strict=True):
+            p.grad = g.float().contiguous()
+        ref.step()
+    for mine, theirs, weight in zip(ours, hand, stored, strict=True):
+        assert torch.equal(mine, theirs.detach()) and torch.equal(weight, mine.to(bf16))

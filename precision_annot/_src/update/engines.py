@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from precision_annot._src import update_kernels
-from precision_annot._src.float8 import import_torchao
 from precision_annot._src.update import formats, guard
 
 if TYPE_CHECKING:
     from precision_annot._src.update.rule import Item, UpdateRule
 
-__all__ = ["COMPILE", "FRESH", "FusedAdam", "FusedSGD", "fresh_state", "fused_step", "held_master",
+__all__ = ["COMPILE", "FRESH", "FusedAdam", "FusedSGD", "fresh_master", "fresh_state", "fused_step",
+           "held_master",
            "lowbit_step", "master_of", "new_step"]
 
 #: whether the low-bit update runs compiled when the optimizer was built without saying
@@ -42,8 +42,10 @@ COMPILE = True
 def master_of(param: torch.Tensor, rule: UpdateRule, state: dict[str, Any],
               optimizer: Any = None) -> tuple[torch.Tensor, bool]:
     """The master copy of `param` from its state (taken out of it), where there is none the
-    one another planned optimizer steps (`guard.shared_master`) or one made from the
-    parameter, cast where it is in another dtype; and whether it was made now."""
+    one another planned optimizer steps (`guard.shared_master`), the wider value kept for it
+    (`guard.wide_of`: a checkpoint loaded before the first step, a detour through fp32) or
+    one made from the parameter, cast where it is in another dtype; and whether it was made
+    now."""
     dtype = rule.master
     assert dtype is not None
     master = state.pop("master", None)
@@ -51,6 +53,8 @@ def master_of(param: torch.Tensor, rule: UpdateRule, state: dict[str, Any],
         return master, False
     if master is None and (shared := guard.shared_master(optimizer, param, dtype)) is not None:
         return shared, False
+    if master is None and (wide := guard.take_wide(param, dtype)) is not None:
+        return wide, True  # a wider value loaded (or narrowed by apply) before it was made
     source = master if isinstance(master, torch.Tensor) else param
     return source.detach().to(dtype, copy=True), master is None
 
@@ -197,7 +201,7 @@ def _contiguous(*tensors: torch.Tensor | None) -> bool:
 def _eager_torchao(optimizer: Any, items: Sequence[Item]) -> None:
     """torchao's own per-parameter update, eagerly: for tensors not laid out contiguously
     (the one-pass kernel views each parameter as blocks)."""
-    adam = import_torchao("torchao.optim.adam", "a low-bit optim")
+    adam = formats.torchao_module("torchao.optim.adam", str(items[0].rule.state))
     adamw = isinstance(optimizer, torch.optim.AdamW)
     for item in items:
         p, rule = item.param, item.rule
@@ -277,12 +281,22 @@ def _lowbit_calls(optimizer: Any, items: Sequence[Item]
 FRESH = frozenset({"Adam", "AdamW", "SGD"})
 
 
+def fresh_master(param: torch.Tensor, rule: UpdateRule) -> torch.Tensor:
+    """A copy of the master `param`'s next step makes (none is held): from the value kept
+    for it (`guard.wide_of`), else from the parameter."""
+    assert rule.master is not None
+    with torch.no_grad():
+        wide = guard.wide_of(param, rule.master)
+        return (wide if wide is not None else param.detach()).to(rule.master, copy=True)
+
+
 def fresh_state(family: str, param: torch.Tensor, rule: UpdateRule, group: dict[str, Any]
                 ) -> dict[str, Any]:
     """The state `param`'s first step starts from, as the step would make it: its master from
-    the parameter as it is now, zero moments (momentum) in the rule's format, step 0."""
+    the value kept for it (`guard.wide_of`) or the parameter as it is now, zero moments
+    (momentum) in the rule's format, step 0."""
     with torch.no_grad():
-        target = param.detach().to(rule.master, copy=True) if rule.master else param.detach()
+        target = fresh_master(param, rule) if rule.master else param.detach()
         out: dict[str, Any] = {"master": target} if rule.master else {}
         if family == "SGD":
             if group["momentum"]:

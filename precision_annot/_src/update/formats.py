@@ -15,10 +15,12 @@ from typing import Any, cast
 
 import torch
 
-from precision_annot._src.float8 import import_torchao
+from precision_annot._src.dtypes import STOCHASTIC
+from precision_annot._src.float8 import import_torchao, install_hint
 
 __all__ = ["UNSIGNED", "is_moment", "low_bit_bytes", "low_bit_of", "nbytes", "new_low_bit",
-           "portable", "quantized", "rebuilt", "to_format"]
+           "portable", "quantized", "rebuilt", "require_torchao", "to_format", "torchao_module",
+           "torchao_use"]
 
 #: torchao's optimizer class (whose buffer factory makes the state) and block size per format
 _TORCHAO: dict[str, tuple[str, int]] = {"8bit": ("AdamW8bit", 256), "4bit": ("AdamW4bit", 128),
@@ -32,6 +34,53 @@ _SIZES: dict[str, tuple[float, int]] = {"8bit": (1.0, 256 * 4), "4bit": (0.5, 16
 MIN_QUANTIZED = 4096
 #: state names that are never negative: kept with torchao's unsigned value map
 UNSIGNED = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+
+
+def torchao_use(what: str) -> str:
+    """What an update takes from torchao: `what` is a low-bit format ("8bit", "4bit", "fp8")
+    or "stochastic" (see `UpdateRule.torchao`)."""
+    if what == STOCHASTIC:
+        return ("master='stochastic' writes each update into bf16 storage with torchao's "
+                "stochastic rounding")
+    name = next((t for t, fmt in _TYPES.items() if fmt == what), None)
+    if name is None:
+        return ("a low-bit optimizer state (optim='8bit', '4bit' or 'fp8') is kept in "
+                "torchao's formats and stepped with torchao's Adam update")
+    return (f"optim={what!r} keeps the optimizer state in torchao's {what} format ({name}) "
+            "and steps it with torchao's Adam update")
+
+
+def _missing(uses: str) -> str:
+    return (f"{uses}; torchao is not installed. Install it with the fp8 extra: "
+            f"{install_hint}; or plan a float optim (optim=bf16) or master=fp32 instead, "
+            "which need no torchao.")
+
+
+def torchao_module(name: str, what: str) -> Any:
+    """torchao's module `name`, for an update that needs it for `what` (see `torchao_use`);
+    where torchao is missing, an ImportError that says what it is needed for and how to
+    install it."""
+    try:
+        return import_torchao(name, torchao_use(what))
+    except ImportError as e:
+        raise ImportError(_missing(torchao_use(what))) from (e.__cause__ or e)
+
+
+def require_torchao(uses: dict[str, list[str]]) -> None:
+    """Refuse, where torchao is missing, the updates that need it: `uses` maps what each
+    needs it for (see `torchao_use`) to the names of the parameters updated so."""
+    if not uses:
+        return
+    try:
+        import_torchao("torchao.optim", "")
+    except ImportError as e:
+        said = "; ".join(f"{torchao_use(what)} ({_names(names)})" for what, names in uses.items())
+        raise ImportError(_missing(said)) from (e.__cause__ or e)
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return f"{shown} and {len(names) - 3} more" if len(names) > 3 else shown
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +126,7 @@ def new_low_bit(fmt: str, like: torch.Tensor, signed: bool) -> torch.Tensor:
     """A zero state in `fmt` for a tensor like `like` (a DTensor gets a DTensor), made as
     torchao's own optimizer makes it: quantized from 4,096 elements in whole blocks, a plain
     zero tensor in `like`'s dtype below."""
-    optim = import_torchao("torchao.optim", f"optim={fmt}")
+    optim = torchao_module("torchao.optim", fmt)
     name, block = _TORCHAO[fmt]
     cls: Any = getattr(optim, name)
     # NOTE: torchao's buffer factory is a method of its optimizers (`_AdamBase._new_buffer`),

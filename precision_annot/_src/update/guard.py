@@ -19,11 +19,12 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from precision_annot._src.dtypes import dtype_name
+from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.update.rule import UpdateFields, fields_of, rule_for
 
-__all__ = ["Planned", "StepGuard", "follow", "forget", "loaded", "mastered", "note", "planned",
-           "planned_updates", "shared_master"]
+__all__ = ["Planned", "StepGuard", "follow", "forget", "loaded", "mastered", "mastered_params",
+           "narrowing", "note", "planned", "planned_updates", "shared_master", "take_wide",
+           "wide_of"]
 
 
 class Planned(NamedTuple):
@@ -134,16 +135,140 @@ def _tell(params: list[torch.Tensor]) -> None:
     for optimizer in list(_FOLLOWED):
         if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
             optimizer._precision_annot_settle()
+    for p in params:
+        if p in _WIDE:
+            _settle_wide(p)
 
 
-def mastered(param: torch.Tensor) -> bool:
-    """Whether an optimizer `precision_annot.optimizer` built keeps a master of `param` (which
-    `apply` writes into it, rounded, once the new plan is applied)."""
+def _held_master(param: torch.Tensor) -> bool:
     for optimizer in list(_FOLLOWED):
         state = optimizer.state.get(param)
         if state and isinstance(state.get("master"), torch.Tensor):
             return True
     return False
+
+
+def mastered(param: torch.Tensor) -> bool:
+    """Whether an optimizer `precision_annot.optimizer` built keeps a master of `param`, or a
+    value is kept for its master (`wide_of`): either is written into it, rounded, once the new
+    plan is applied."""
+    return _held_master(param) or wide_of(param) is not None
+
+
+# -- the value a master starts from, before an optimizer makes it ------------------------------
+
+class _Wide(NamedTuple):
+    """A value of a parameter wider than it is stored, kept for the master an optimizer makes
+    for it (in that master's dtype), and the dtype the parameter holds it rounded into."""
+
+    value: torch.Tensor
+    stored: torch.dtype
+
+
+#: per parameter, the widest value known for it while no optimizer holds its master: a load of
+#: wider values (an fp32 checkpoint into bf16 weights) before the first step, or the values an
+#: `apply` narrowed mid-run (a detour through fp32, `remove` then `apply` again). The master an
+#: optimizer makes for it starts from this value, not from the rounded weight.
+_WIDE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _holds(kept: _Wide, param: torch.Tensor) -> bool:
+    """Whether `param` still holds `kept` rounded (nothing else was written into it since)."""
+    if kept.value.shape != param.shape:
+        return False
+    with torch.no_grad():
+        return torch.equal(kept.value.to(kept.stored), param.detach().to(kept.stored))
+
+
+def wide_of(param: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The value kept for `param`'s master (in `dtype` where given), or None: none is kept, or
+    `param` no longer holds its rounding (then it is dropped)."""
+    kept: _Wide | None = _WIDE.get(param)  # type: ignore[no-untyped-call]
+    if kept is None:
+        return None
+    if not _holds(kept, param):
+        _WIDE.pop(param, None)  # type: ignore[no-untyped-call]
+        return None
+    return kept.value if dtype is None or kept.value.dtype == dtype else kept.value.to(dtype)
+
+
+def take_wide(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`wide_of(param, dtype)`, given up to the master an optimizer makes of it now."""
+    value = wide_of(param, dtype)
+    _WIDE.pop(param, None)  # type: ignore[no-untyped-call]
+    return value
+
+
+def _keep_wide(param: torch.Tensor, value: torch.Tensor, dtype: torch.dtype, *,
+               copy: bool) -> None:
+    with torch.no_grad():
+        held = value.detach().to(device=param.device, dtype=dtype, copy=copy)
+    _WIDE[param] = _Wide(held, param.dtype)
+
+
+def mastered_params() -> list[torch.Tensor]:
+    """Every parameter the plans applied keep a master for, wider than it is stored."""
+    return [p for p, said in list(_GUARD.planned.items())  # type: ignore[no-untyped-call]
+            if rule_for(said.fields, p.dtype).master is not None]
+
+
+def _master_dtype(param: torch.Tensor) -> torch.dtype | None:
+    said = planned(param)
+    return None if said is None else rule_for(said.fields, param.dtype).master
+
+
+def _settle_wide(param: torch.Tensor) -> None:
+    """`apply` or `remove` changed what is said about `param`: the value kept for its master
+    is written into it (which then holds it as well as its dtype can), and kept further only
+    where the plan now keeps a master for it wider than it is stored."""
+    value = wide_of(param)
+    if value is None:
+        return
+    with torch.no_grad():
+        param.copy_(value)
+    dtype = _master_dtype(param)
+    if dtype is None or _held_master(param):
+        _WIDE.pop(param, None)  # type: ignore[no-untyped-call]
+    else:
+        _WIDE[param] = _Wide(value.to(dtype), param.dtype)
+
+
+def _load_wide(param: torch.Tensor, value: torch.Tensor) -> None:
+    """`load_state_dict` gave `param` the checkpoint's `value`, and no optimizer holds its
+    master: a value wider than the parameter (or of another format, fp16 into bf16) is kept
+    for the master its plan keeps; one that is the kept value rounded (the weights loaded back
+    unchanged) leaves it; any other value drops it."""
+    dtype = _master_dtype(param)
+    kept: _Wide | None = _WIDE.get(param)  # type: ignore[no-untyped-call]
+    usable = value.is_floating_point() and value.shape == param.shape
+    if kept is not None and usable and wider(kept.value.dtype, value.dtype) and torch.equal(
+            kept.value.to(device=value.device, dtype=value.dtype), value.detach()):
+        return
+    _WIDE.pop(param, None)  # type: ignore[no-untyped-call]
+    if dtype is not None and usable and value.dtype != param.dtype and not wider(
+            param.dtype, value.dtype):
+        _keep_wide(param, value, dtype, copy=True)
+
+
+def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
+              planned: Iterable[tuple[torch.Tensor, Planned]]) -> None:
+    """`apply` is about to store these parameters in another dtype (each with an alias of its
+    values now, which the cast leaves as they are, and the dtype it casts to). Where one is
+    narrowed, an optimizer already holds state for it (a run goes on after a detour through
+    fp32) and the new plan keeps a master for it, that master is made from these values, the
+    widest copy there is, not from the rounded weight. The masters of a model not stepped yet
+    are made from its rounded weights, as Apex O2 and DeepSpeed make them."""
+    said = {id(p): s for p, s in planned}
+    for param, value, stored in params:
+        if (id(param) not in said or not wider(value.dtype, stored) or param in _WIDE
+                or _held_master(param)
+                or not any(opt.state.get(param) for opt in list(_FOLLOWED))):
+            continue
+        dtype = rule_for(said[id(param)].fields, stored).master
+        if dtype is not None:
+            with torch.no_grad():
+                kept = value.detach() if value.dtype == dtype else value.detach().to(dtype)
+            _WIDE[param] = _Wide(kept, stored)
 
 
 def shared_master(optimizer: Any, param: torch.Tensor, dtype: torch.dtype,
@@ -165,11 +290,18 @@ def shared_master(optimizer: Any, param: torch.Tensor, dtype: torch.dtype,
 def loaded(given: dict[torch.Tensor, torch.Tensor]) -> None:
     """`load_state_dict` gave these parameters new values (the checkpoint's tensor for each):
     every optimizer holding a master for one starts it from them (its
-    `_precision_annot_loaded`)."""
+    `_precision_annot_loaded`); a parameter whose master no optimizer holds yet (none built,
+    or none stepped) keeps a wider value for the master its plan keeps (`_load_wide`), so
+    that the master starts from the checkpoint's own values whenever it is made."""
     ids = {id(p) for p in given}
     for optimizer in list(_FOLLOWED):
         if any(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
             optimizer._precision_annot_loaded(given)
+    for param, value in given.items():
+        if _held_master(param):
+            _WIDE.pop(param, None)  # type: ignore[no-untyped-call]
+        else:
+            _load_wide(param, value)
 
 
 def note(changed: Iterable[tuple[torch.Tensor, torch.dtype, str]],

@@ -13,16 +13,18 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.guards import require_module
+from precision_annot._src.recording import version
 from precision_annot._src.update import engines, formats, guard
 from precision_annot._src.update.rule import UpdateFields, UpdateRule, fields_of
 from precision_annot._src.update.step import (
@@ -135,25 +137,41 @@ class PlanOptimizer(Optimizer):
         step 0), so that `torch.distributed.checkpoint` finds the state initialised: it then
         needs no dummy step (which assigns each parameter a zero gradient of its own dtype,
         refused where `grad=fp32` set an fp32 `grad_dtype`), and a checkpoint's tensors have
-        a place to load into."""
+        a place to load into. A state whose master is not made yet (loaded from a checkpoint
+        without one) holds the master its next step makes; a master not made yet starts
+        from the wider value a load kept for it (see `guard.wide_of`), else the weight."""
         saved: dict[str, Any] = super().state_dict()
         name = family(type(self)._precision_annot_base)
-        if name in engines.FRESH:
-            index = 0
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.requires_grad and not self.state.get(p) and index not in saved["state"]:
-                        saved["state"][index] = engines.fresh_state(name, p, self.rule(p),
-                                                                    group)
-                    index += 1
-        return {**saved, "state": formats.portable(saved["state"])}
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                held = saved["state"].get(index)
+                if name in engines.FRESH and p.requires_grad and not held:
+                    saved["state"][index] = engines.fresh_state(name, p, self.rule(p), group)
+                elif isinstance(held, dict) and "master" not in held and (
+                        rule := self.rule(p)).master is not None:
+                    # a state loaded without one (another layout): the master its next
+                    # step makes, from the value kept for it or from the weight
+                    saved["state"][index] = {"master": engines.fresh_master(p, rule), **held}
+                index += 1
+        out = {**saved, "state": formats.portable(saved["state"])}
+        _hand_out(self, out["state"])
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's `load_state_dict`, keeping each state in the format its rule plans (torch's
         own casts every state tensor to its parameter's dtype): masters in their dtype, moments
         in the planned dtype or low-bit format, whatever the checkpoint holds. A checkpoint
         that holds a state narrower than planned is loaded widened, with a warning naming it.
-        Each parameter with a master is set from it (the master is the truth)."""
+        Each parameter with a master is set from it (the master is the truth).
+
+        A state this optimizer's `state_dict()` handed out comes back as it was handed out
+        when nothing was loaded into it: `torch.distributed.checkpoint` loads into the state
+        dict's own tensors, and a partial load (`allow_partial_load=True`) leaves those the
+        checkpoint lacks as they were. Such a master was not loaded: a master made for the
+        first step is made from the weights (as from a checkpoint without masters), and the
+        master the optimizer holds stays, restarting from its weight where the weight was
+        loaded since; other such states beside loaded ones are named in a warning."""
         captured: list[dict[str, Any]] = []
 
         def capture(opt: Optimizer, given: dict[str, Any]) -> None:
@@ -172,6 +190,7 @@ class PlanOptimizer(Optimizer):
 
         capture(self, state_dict)  # refused before anything changes
         captured.clear()
+        state_dict, kept = _unwritten(self, state_dict)
         pre = self.register_load_state_dict_pre_hook(capture)  # after the user's pre-hooks
         post = self.register_load_state_dict_post_hook(rebuild, prepend=True)
         self._precision_annot_loading = True
@@ -184,6 +203,10 @@ class PlanOptimizer(Optimizer):
             self.__dict__.pop("_precision_annot_loading", None)
             pre.remove()
             post.remove()
+        with torch.no_grad():
+            for param, master in kept:  # its own master, given back as it was
+                self.state[param] = {"master": master, **self.state.get(param, {})}
+                _reload_master(master, param, param.detach())
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's (`defaults`, `state`, `param_groups`), and what the class and this one keep
@@ -215,6 +238,93 @@ class PlanOptimizer(Optimizer):
             layouts[item.rule.describe()] = layouts.get(item.rule.describe(), 0) + 1
         plan = "; ".join(f"{n} parameter(s) {k}" for k, n in layouts.items())
         return f"{super().__repr__()}\nupdated by precision_annot: {plan or 'nothing'}"
+
+
+#: the tensors `state_dict()` handed out, by identity: the optimizer that handed each out and
+#: its version counter then; one given back to that optimizer's `load_state_dict` with the
+#: same version was not loaded into (see `_unwritten`)
+_HANDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _leaves(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a saved state entry: a tensor, or those a portable low-bit one holds."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for inner in value.values():
+            yield from _leaves(inner)
+
+
+def _stamp(t: torch.Tensor) -> int:
+    """`t`'s version counter: a DTensor's local tensor's (DCP loads into that one, which
+    leaves the DTensor's own counter as it was)."""
+    to_local = getattr(t, "to_local", None)
+    return version(to_local() if to_local is not None else t)
+
+
+def _hand_out(opt: PlanOptimizer, state: dict[Any, Any]) -> None:
+    owner = weakref.ref(opt)
+    for saved in state.values():
+        if isinstance(saved, dict):
+            for value in saved.values():
+                for t in _leaves(value):
+                    _HANDED[t] = (owner, _stamp(t))
+
+
+def _untouched(opt: PlanOptimizer, value: Any) -> bool | None:
+    """Whether every tensor of a state entry is one `opt.state_dict()` handed out, unwritten
+    since (True), some were written into (False), or it holds others (None)."""
+    seen = [_HANDED.get(t) for t in _leaves(value)]  # type: ignore[no-untyped-call]
+    if not seen or any(h is None or h[0]() is not opt for h in seen):
+        return None
+    return all(h[1] == _stamp(t) for h, t in zip(seen, _leaves(value), strict=True))
+
+
+def _unwritten(opt: PlanOptimizer, given: dict[str, Any]
+               ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`given` without the masters `opt.state_dict()` handed out that nothing was loaded
+    into since (see `load_state_dict`), and each of those that `opt` holds as a parameter's
+    master now (kept as its master); a warning names other such states beside loaded ones."""
+    ids = chain.from_iterable(g["params"] for g in given["param_groups"])
+    params = dict(zip(ids, chain.from_iterable(g["params"] for g in opt.param_groups),
+                      strict=False))
+    state: dict[Any, Any] = {}
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    stale: list[str] = []
+    for key, saved in given["state"].items():
+        param = params.get(key)
+        state[key], held, left = _unwritten_in(opt, param, saved)
+        if held is not None and param is not None:
+            kept.append((param, held))
+        name = opt._precision_annot_names.get(param, "") if param is not None else ""
+        stale += [f"{name or f'#{key}'} {k}" for k in left]
+    if stale:
+        warnings.warn(
+            f"load_state_dict: {len(stale)} state tensor(s) were not loaded "
+            f"({', '.join(stale[:6])}{', ...' if len(stale) > 6 else ''}): they hold what "
+            "state_dict() gave, beside states of the same parameters that were loaded (a "
+            "partial torch.distributed.checkpoint load of a checkpoint saved in another "
+            "layout). Load it with planner=precision_annot.adapters.dcp.LoadPlanner(), which "
+            "reads each state in the checkpoint's layout and converts it as load_state_dict "
+            "does.", UserWarning, stacklevel=3)
+    return {**given, "state": state}, kept
+
+
+def _unwritten_in(opt: PlanOptimizer, param: torch.Tensor | None, saved: Any
+                  ) -> tuple[Any, torch.Tensor | None, list[str]]:
+    """One parameter's saved state: without its master where that is one handed out and not
+    loaded into; that master where `opt` holds it as the parameter's own; and the names of
+    its other states not loaded into beside loaded ones (a partial load)."""
+    if not isinstance(saved, dict):
+        return saved, None, []
+    marks = {k: _untouched(opt, v) for k, v in saved.items()}
+    left = [k for k, m in marks.items() if m is True and k != "master"] \
+        if False in marks.values() else []
+    if param is None or marks.get("master") is not True:
+        return saved, None, left
+    held = opt.state.get(param, {}).get("master")
+    return ({k: v for k, v in saved.items() if k != "master"},
+            held if held is saved["master"] else None, left)
 
 
 def _reload_master(master: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> None:
@@ -409,6 +519,13 @@ def _model_params(model: nn.Module, plan: Any) -> tuple[dict[torch.Tensor, Updat
     return fields, names
 
 
+def _note_new(fields: dict[torch.Tensor, UpdateFields], names: dict[torch.Tensor, str]) -> None:
+    """Parameters made since `apply` (`to_empty` makes new ones) are the applied plan's: the
+    step guard and the loads that keep values for their masters learn them."""
+    guard.note([], [(p, guard.Planned(names[p], f)) for p, f in fields.items()
+                    if guard.planned(p) is None])
+
+
 def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
               params: Iterable[Any] | None = None, *, compile_step: bool | None = None,
               **hyperparameters: Any) -> Any:
@@ -458,6 +575,9 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
         TypeError: `optimizer_class` is not an optimizer class.
         ValueError: an update the class cannot make (a low-bit state with another class than
             Adam or AdamW, or with `fused=True`), naming the parameters.
+        ImportError: the plan keeps a low-bit state (`optim="8bit"`, `"4bit"`, `"fp8"`) or
+            rounds stochastically (`master="stochastic"`), which are torchao's, and torchao
+            is not installed (the `fp8` extra installs it).
 
     Example:
         >>> import torch
@@ -472,7 +592,8 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
         >>> opt.master(model.weight).dtype
         torch.float32
     """
-    from precision_annot._src.runtime import subject  # deferred: runtime imports the guard
+    # deferred: an import cycle (runtime imports guard)
+    from precision_annot._src.runtime import applied_plan, subject
 
     require_module(model, "optimizer")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
@@ -481,6 +602,8 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     given = subject(model, "optimizer")
     target = given.model if given.model is not None else model
     fields, names = _model_params(target, given.plan)
+    if applied_plan(target) is not None:
+        _note_new(fields, names)
     if params is None:
         params = [p for p in names if p.is_floating_point() or p.is_complex()]
         if not params:
@@ -491,11 +614,26 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     opt._precision_annot_names = names
     opt._precision_annot_compile = None if compile_step is None else bool(compile_step)
     guard.follow(opt)
-    low = [i for i in items_of(opt) if i.rule.engine == "torchao"]
-    why = refusal(opt, low)
+    items = items_of(opt)
+    why = refusal(opt, [i for i in items if i.rule.engine == "torchao"])
     if why is not None:
         raise ValueError(f"optimizer: {why}")
+    _require_torchao(items)
     return opt
+
+
+def _require_torchao(items: Iterable[Any]) -> None:
+    """Refuse now, not at the first step, an update half that needs torchao where it is not
+    installed, saying what for and how to install it."""
+    uses: dict[str, list[str]] = {}
+    for item in items:
+        what = item.rule.torchao
+        if what is not None:
+            uses.setdefault(what, []).append(item.name)
+    try:
+        formats.require_torchao(uses)
+    except ImportError as e:
+        raise ImportError(f"optimizer: {e}") from e.__cause__
 
 
 def state_bytes(optimizer: Optimizer) -> int:

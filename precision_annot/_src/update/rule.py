@@ -130,6 +130,14 @@ class UpdateRule:
         return "copy" if self.working != self.stored else "direct"
 
     @property
+    def torchao(self) -> str | None:
+        """What this update takes from torchao (a low-bit format, or "stochastic" for its
+        rounding; see `formats.torchao_use`), or None when it needs none."""
+        if isinstance(self.state, str):
+            return self.state
+        return STOCHASTIC if self.stochastic else None
+
+    @property
     def plain(self) -> bool:
         """True when a plain optimizer over the parameter makes this update: nothing kept
         beside it, its gradient and state in its own dtype."""

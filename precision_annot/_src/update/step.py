@@ -25,8 +25,7 @@ import torch
 from torch.optim import Optimizer
 
 from precision_annot._src import update_kernels
-from precision_annot._src.dtypes import wider
-from precision_annot._src.float8 import import_torchao
+from precision_annot._src.dtypes import STOCHASTIC, wider
 from precision_annot._src.update import engines, formats
 from precision_annot._src.update.guard import generation, planned
 from precision_annot._src.update.rule import Item, UpdateFields, UpdateRule, rule_for
@@ -90,7 +89,7 @@ def items_of(optimizer: Any) -> list[Item]:
 def _stochastic(x: torch.Tensor) -> torch.Tensor:
     # NOTE: torchao's stochastic rounding (fp32 -> bf16) is a module-private function of its
     # optimizers; it is the rounding `master="stochastic"` promises, so it is used as it is.
-    utils = import_torchao("torchao.optim.quant_utils", "master='stochastic'")
+    utils = formats.torchao_module("torchao.optim.quant_utils", STOCHASTIC)
     out: torch.Tensor = utils._fp32_to_bf16_sr(x)
     return out
 
