@@ -23,6 +23,7 @@ from precision_annot._src.policy import Policy
 from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import applied_plan, apply, remove
 from precision_annot._src.scaler import GradScaler
+from precision_annot._src.schedule import Schedule, schedule
 from precision_annot._src.scope import precision_scope
 from precision_annot._src.suggest import Suggestion, suggest
 from precision_annot._src.update.optimizer import PlanOptimizer, optimizer
@@ -61,6 +62,8 @@ __all__ = [
     "DiffReport",
     "watch",
     "WatchRecord",
+    "schedule",
+    "Schedule",
 ]
 
 __version__ = VERSION

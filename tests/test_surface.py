@@ -21,6 +21,8 @@ def test_public_names() -> None:
         "optimizer", "PlanOptimizer", "MemoryReport",
         # numerics: one step against fp32, and per-module statistics while training
         "diff", "DiffReport", "watch", "WatchRecord",
+        # precision over time: a plan that changes at chosen steps
+        "schedule", "Schedule",
     }
     for name in precision_annot.__all__:
         assert getattr(precision_annot, name) is not None

@@ -39,10 +39,12 @@ from precision_annot._src.float8 import plain_class
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply, plan_of
+from precision_annot._src.schedule import Phase, Schedule, schedule
 from precision_annot._src.watching import watch as make_watch
 
 __all__ = ["FP8Linear", "HFKeepInFP32", "fp8_rules", "from_pretrained", "keep_in_fp32_patterns",
-           "router_names", "rules", "save_pretrained", "units", "watch_callback"]
+           "router_names", "rules", "save_pretrained", "schedule_callback", "units",
+           "watch_callback"]
 
 M = TypeVar("M", bound=nn.Module)
 PLAN_FILE = "precision_plan.json"
@@ -412,6 +414,51 @@ def watch_callback(trainer: Any, every: int = 100, *, path: str | os.PathLike[st
 
     callback = WatchCallback()
     trainer.callback_handler.callbacks.insert(0, callback)
+    return callback
+
+
+def schedule_callback(trainer: Any, phases: dict[int | float, Phase], *,
+                      total_steps: int | None = None) -> Any:
+    """Run `precision_annot.schedule` in a Hugging Face `Trainer`: the phase of step 0 is
+    applied to `trainer.model` now (before `train()` builds or loads anything), and after each
+    optimizer step (`on_step_end`) the next phase is applied where it starts. A run resumed
+    from a checkpoint goes to the phase of the checkpoint's step before its first step. Pass a
+    `precision_annot.optimizer` as `Trainer(optimizers=(optimizer, None))` where a phase keeps
+    masters.
+
+    Args:
+        trainer: a `transformers.Trainer`, before `train()`.
+        phases: as `precision_annot.schedule` takes them; fractions are of `total_steps`.
+        total_steps: the optimizer steps of the run, for fractions. (Default: the Trainer's
+            `args.max_steps` where it is set)
+
+    Returns:
+        The callback; its `schedule` attribute holds the `Schedule`.
+
+    Example:
+        >>> cb = schedule_callback(trainer, {0: "bf16-master", 0.9: "32-true"})  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+    """
+    from transformers import TrainerCallback
+
+    if total_steps is None and getattr(getattr(trainer, "args", None), "max_steps", -1) > 0:
+        total_steps = int(trainer.args.max_steps)
+    sched = schedule(trainer.model, phases, total_steps=total_steps,
+                     optimizer=getattr(trainer, "optimizer", None))
+
+    class ScheduleCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.schedule: Schedule = sched
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.schedule.seek(int(state.global_step))  # a resumed run: the saved step's phase
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            self.schedule.step()
+            return control
+
+    callback = ScheduleCallback()
+    trainer.add_callback(callback)
     return callback
 
 

@@ -1,0 +1,237 @@
+"""Precision over time: a plan that changes at chosen steps of a run.
+
+`schedule(model, {0: "bf16-master", 9_000: "32-true"})` applies the first phase at once, and
+its `step()`, called after each optimizer step, applies the next phase at the step where it
+starts. Each switch is a plain `apply`: the optimizer `precision_annot.optimizer` built follows
+it (a master the new phase drops is written into its weight, one it adds is made from the
+widest copy there is), and gradients are dropped at the switch, as `zero_grad` drops them.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from precision_annot._src.guards import require_module
+from precision_annot._src.plan import PrecisionPlan
+from precision_annot._src.policy import Policy, SpecLike
+from precision_annot._src.runtime import apply
+from precision_annot._src.update.optimizer import PlanOptimizer
+
+__all__ = ["Schedule", "schedule"]
+
+Phase = PrecisionPlan | SpecLike
+
+
+def _check_spec(key: object, value: object) -> None:
+    """A phase's plan or spec, as `apply` takes it (a plan, or a default spec)."""
+    if isinstance(value, (PrecisionPlan, Policy, torch.dtype)):
+        return
+    if isinstance(value, str):
+        try:
+            Policy.parse(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(
+                f"schedule: phases[{key!r}] is not a plan or spec: {e} "
+                f"Received: phases[{key!r}]={value!r}") from e
+        return
+    raise ValueError(
+        f"schedule: phases[{key!r}] must be a PrecisionPlan, a Policy, a torch.dtype or a spec "
+        f"string (such as 'bf16-master' or '32-true'). Received: phases[{key!r}]={value!r} "
+        f"(of type {type(value).__name__})")
+
+
+def _step_of(key: object, total_steps: int | None) -> int:
+    """The step a key of `phases` names: an int >= 0, or a float in [0, 1) of `total_steps`."""
+    if isinstance(key, bool) or not isinstance(key, (int, float)):
+        raise ValueError(
+            "schedule: each key of phases must be a step (an int >= 0) or a fraction of "
+            f"total_steps (a float in [0, 1)). Received: key {key!r} (of type "
+            f"{type(key).__name__})")
+    if isinstance(key, int):
+        if key < 0:
+            raise ValueError(
+                "schedule: a step in phases must be >= 0 (the first optimizer step is 0). "
+                f"Received: key {key!r}")
+        return key
+    if not (math.isfinite(key) and 0.0 <= key < 1.0):
+        raise ValueError(
+            "schedule: a fraction in phases must be a float in [0, 1) of total_steps (1.0 "
+            f"would start after the last step). Received: key {key!r}")
+    if total_steps is None:
+        raise ValueError(
+            f"schedule: phases has the fraction {key!r}, which needs total_steps= (the number "
+            "of optimizer steps in the run); or give the phase's step as an int. Received: "
+            "total_steps=None")
+    return round(key * total_steps)
+
+
+def _phases(phases: object, total_steps: int | None) -> list[tuple[int, Phase]]:
+    if not isinstance(phases, Mapping) or not phases:
+        raise ValueError(
+            "schedule: phases must be a non-empty dict from a step (int) or a fraction of "
+            "total_steps (float in [0, 1)) to a plan or spec, such as {0: 'bf16-master', "
+            f"0.9: '32-true'}}. Received: phases={phases!r}")
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(
+            total_steps, int) or total_steps <= 0):
+        raise ValueError(
+            "schedule: total_steps must be a positive int (the number of optimizer steps in "
+            f"the run), or None. Received: total_steps={total_steps!r}")
+    by_step: dict[int, tuple[object, Phase]] = {}
+    for key, value in phases.items():
+        step = _step_of(key, total_steps)
+        _check_spec(key, value)
+        if step in by_step:
+            raise ValueError(
+                f"schedule: phases {by_step[step][0]!r} and {key!r} both start at step {step} "
+                f"(total_steps={total_steps!r}); give each phase its own step. Received: "
+                f"phases={dict(phases)!r}")
+        by_step[step] = (key, value)
+    if 0 not in by_step:
+        raise ValueError(
+            "schedule: phases must have a phase at step 0 (0 or 0.0), the plan the run starts "
+            f"in. Received: phases starting at steps {sorted(by_step)}")
+    return [(step, by_step[step][1]) for step in sorted(by_step)]
+
+
+class Schedule:
+    """A plan that changes at chosen steps; see `schedule`.
+
+    Attributes:
+        phases: the phases in order, as (first step, plan or spec) pairs.
+        step_count: the optimizer steps taken so far (the next step's index).
+    """
+
+    def __init__(self, model: nn.Module, phases: list[tuple[int, Phase]],
+                 optimizer: Optimizer | None) -> None:
+        self.model = model
+        self.phases = phases
+        self.optimizer = optimizer
+        self.step_count = 0
+        self._applied: int | None = None
+        self._switch()
+
+    @property
+    def phase(self) -> int:
+        """The index in `phases` of the phase the next step runs in."""
+        return max(i for i, (start, _) in enumerate(self.phases) if start <= self.step_count)
+
+    @property
+    def current(self) -> Phase:
+        """The plan or spec of the phase the next step runs in."""
+        return self.phases[self.phase][1]
+
+    @property
+    def switches(self) -> list[int]:
+        """The steps at which a new phase starts (after the first)."""
+        return [start for start, _ in self.phases[1:]]
+
+    def step(self) -> bool:
+        """Count one optimizer step (call it after `optimizer.step()`); where the next step
+        starts a new phase, apply it. Returns whether it switched."""
+        self.step_count += 1
+        return self._switch()
+
+    def seek(self, step: int) -> bool:
+        """Go to `step` (the optimizer steps taken, as a resumed trainer counts them), applying
+        its phase. Returns whether it switched."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Schedule.seek: step must be an int >= 0. Received: step={step!r}")
+        self.step_count = step
+        return self._switch()
+
+    def _switch(self) -> bool:
+        phase = self.phase
+        if phase == self._applied:
+            return False
+        for param in self.model.parameters():  # stale in the old dtype, as zero_grad drops them
+            param.grad = None
+        spec = self.phases[phase][1]
+        if isinstance(spec, PrecisionPlan):
+            apply(self.model, spec)
+        else:
+            apply(self.model, default=spec)
+        self._applied = phase
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step count and the phase it is in, for a checkpoint."""
+        return {"step": self.step_count, "phase": self.phase,
+                "phase_start": self.phases[self.phase][0]}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Go on from a checkpoint's step, in its phase (applied now). Load it before the
+        model's and the optimizer's state, so that they load into the plan they were saved
+        under."""
+        step = state_dict.get("step") if isinstance(state_dict, Mapping) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(
+                "Schedule.load_state_dict: state_dict must be what Schedule.state_dict() "
+                f"returned, with an int 'step' >= 0. Received: state_dict={state_dict!r}")
+        self.step_count = step
+        saved = (state_dict.get("phase"), state_dict.get("phase_start"))
+        if saved != (self.phase, self.phases[self.phase][0]):
+            raise ValueError(
+                f"Schedule.load_state_dict: the checkpoint was saved at step {step} in phase "
+                f"{saved[0]!r} (from step {saved[1]!r}), and this schedule's phases put step "
+                f"{step} in phase {self.phase} (from step {self.phases[self.phase][0]}): "
+                "build the schedule with the phases the run was saved under. Received: "
+                f"state_dict={dict(state_dict)!r}")
+        with warnings.catch_warnings():  # the model's own state is loaded next, in this phase
+            warnings.filterwarnings("ignore", message=r".*stored narrower than before the first")
+            self.seek(step)
+
+    def __repr__(self) -> str:
+        phases = ", ".join(f"{start}: {spec!s}" if not isinstance(spec, PrecisionPlan)
+                           else f"{start}: <plan>" for start, spec in self.phases)
+        return f"Schedule({{{phases}}}, step={self.step_count}, phase={self.phase})"
+
+
+def schedule(model: nn.Module, phases: Mapping[int | float, Phase], *,
+             optimizer: Optimizer | None = None, total_steps: int | None = None) -> Schedule:
+    """Change a model's plan at chosen steps of a run: bf16 with fp32 masters, then the last
+    10% in fp32; or fp32 warm-up steps, then bf16.
+
+    The phase of step 0 is applied at once. Call `step()` after each `optimizer.step()`; at a
+    step where a new phase starts it applies that phase's plan (with `apply`), before the
+    step's forward. Each switch is exact: with `precision_annot.optimizer`, a master the new
+    phase drops is written into its weight, which then holds its full value, and a master it
+    adds is made from the widest copy there is (the fp32 weights of the phase before), not
+    from the rounded weight; the moments carry over, in the new phase's format. Gradients are
+    dropped at a switch (set to None, as `zero_grad` does).
+
+    Args:
+        model: the module tree.
+        phases: from the step where each phase starts (an int; or a float in [0, 1), a
+            fraction of `total_steps`, rounded to the nearest step) to its plan (a
+            `PrecisionPlan`) or its spec (a default for `apply`: "bf16-master", "32-true",
+            a `Policy`, a dtype). There must be a phase at step 0.
+        optimizer: the run's optimizer, which must be a `precision_annot.optimizer` (a plain
+            one would hold state in the old dtypes after a switch). (Default: None)
+        total_steps: the number of optimizer steps in the run, for fractions. (Default: None)
+
+    Returns:
+        A `Schedule`; `state_dict()` / `load_state_dict()` carry its step and phase.
+
+    Example:
+        >>> import torch, precision_annot as pa
+        >>> model = torch.nn.Linear(4, 4)
+        >>> sched = pa.schedule(model, {0: "bf16-master", 0.5: "32-true"}, total_steps=4)
+        >>> [sched.step() for _ in range(4)], model.weight.dtype
+        ([False, True, False, False], torch.float32)
+    """
+    require_module(model, "schedule")
+    if optimizer is not None and not isinstance(optimizer, PlanOptimizer):
+        raise ValueError(
+            "schedule: optimizer must be one precision_annot.optimizer built (it follows each "
+            "switch: masters, moments and their formats); a plain torch optimizer would hold "
+            "state in the dtypes of the phase before. Build it with "
+            "precision_annot.optimizer(model, torch.optim.AdamW, lr=...). Received: "
+            f"optimizer of type {type(optimizer).__name__}")
+    return Schedule(model, _phases(phases, total_steps), optimizer)
