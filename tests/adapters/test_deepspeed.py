@@ -131,6 +131,36 @@ def test_user_class_list_that_contradicts_the_plan() -> None:
         dsa.to_config(plan, base)
 
 
+def test_class_lists_are_read_as_deepspeed_imports_them() -> None:
+    """DeepSpeed imports each name of lower_precision_safe_modules and tags the exact classes:
+    `torch.nn.Linear` is nn.Linear, so the Linear planned to reduce in fp32 is reduced in bf16
+    (ds-autocast-alias-class-by-hand in tests/adapters/test_check_matrix.py, 2 ranks, measures
+    it), and a name it cannot import stops `initialize`. 0.5 compared the spelling with the
+    plan's class path, and said nothing of either."""
+    model = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(nn.Linear(4, 4)))
+    plan = resolve(model, default=Policy(compute=bf16, storage=fp32, comm=bf16))
+
+    def listing(*names: str) -> dict[str, Any]:
+        return {**BASE, "torch_autocast": {"enabled": True, "dtype": "bfloat16",
+                                           "lower_precision_safe_modules": list(names)}}
+
+    for spelt in ("torch.nn.Linear", "torch.nn.modules.linear.Linear"):
+        found = codes_of(plan, listing(spelt))
+        assert (found["deepspeed-comm"].severity, found["deepspeed-comm"].modules) == (
+            "error", ("1",))  # planned fp32, bf16 instead
+        with pytest.raises(ValueError, match=r"contradicts the plan at torch_autocast.lower_pr"
+                                             r"ecision_safe_modules.*'1' reduced in fp32"):
+            dsa.to_config(plan, listing(spelt))
+    missing = listing("torch.nn.Linear", "torch.nn.NoSuchLayer")
+    (refused,) = codes_of(plan, missing).values()
+    assert (refused.severity, refused.code) == ("error", "deepspeed-config")
+    assert refused.message.startswith("DeepSpeed refuses to start with torch_autocast.lower_"
+                                      "precision_safe_modules=")
+    assert "['torch.nn.NoSuchLayer']" in refused.message
+    with pytest.raises(ValueError, match=r"cannot import \['torch.nn.NoSuchLayer'\]"):
+        dsa.to_config(plan, missing)
+
+
 def test_fp16_compute_over_fp32_storage_under_zero_1_3_is_refused() -> None:
     plan = resolve(island(), default="fp16")
     with pytest.raises(ValueError, match=r"zero_optimization.stage=2.*does not update"):
@@ -156,6 +186,16 @@ def test_bases_as_deepspeed_and_hugging_face_write_them(tmp_path: Path) -> None:
     config, _ = export(resolve(nn.Linear(4, 4), default=Policy(bf16, bf16, fp32)), auto)
     assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
     assert config["communication_data_type"] == "fp32"
+    # where the plan has no one comm dtype to write, what DeepSpeed reduces in without the key:
+    # 0.5 left "auto", which DeepSpeed, the Hugging Face Trainer and Accelerate all refuse
+    per_module = nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(nn.Linear(4, 4)))
+    for default, model, said in (("bf16", nn.Linear(4, 4), "bf16"), ("bf16", island(), "fp32"),
+                                 (Policy(compute=bf16, storage=fp32, comm=bf16), per_module,
+                                  "fp32")):
+        for stage in (0, 2):
+            config, _ = export(resolve(model, default=default),
+                               {**auto, "zero_optimization": {"stage": stage}})
+            assert config["communication_data_type"] == said, (default, stage)
     mixed = resolve(island(), default=Policy(compute=bf16, storage=fp32))
     config, _ = export(mixed, {**BASE, "bf16": {"enabled": "auto"},
                                "torch_autocast": {"enabled": "auto", "dtype": "auto"}})
@@ -320,6 +360,55 @@ def test_check_evaluates_the_config_as_deepspeed_gets_it() -> None:
     # AVX512-FP16 or AMX-FP16): asked of DeepSpeed on this machine, not assumed
     refuses = not get_accelerator().is_fp16_supported()
     assert ("deepspeed-fp16-device" in fp16) == refuses
+
+
+@pytest.mark.slow
+def test_communication_data_type_auto_is_filled_by_to_config_alone() -> None:
+    """`communication_data_type: "auto"` is no value Hugging Face fills: Accelerate, through
+    which the Trainer starts DeepSpeed, refuses it by name, and DeepSpeed's parser refuses it
+    (the 2-rank run ds-communication-data-type-auto of tests/adapters/test_check_matrix.py).
+    So `check` keeps the error for such a config as given, and to_config fills it."""
+    import copy
+
+    pytest.importorskip("accelerate")
+    from accelerate.utils import DeepSpeedPlugin
+
+    config = {**BASE, "bf16": {"enabled": "auto"}, "communication_data_type": "auto"}
+    plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(config))
+    with pytest.raises(ValueError, match="`communication_data_type` not found in kwargs"):
+        plugin.deepspeed_config_process(must_match=False, **{"bf16.enabled": True})
+    with pytest.raises(ValueError, match="Invalid communication_data_type.*Got: auto"):
+        DeepSpeedConfig({**BASE, "communication_data_type": "auto"})
+    plan = resolve(nn.Linear(4, 4), default="bf16")
+    (found,) = codes_of(plan, config).values()
+    assert found.message.startswith("DeepSpeed refuses to start with communication_data_type="
+                                    "'auto'")
+    assert "Accelerate refuses it" in found.message and "(\"auto\" included)" in found.fix
+    exported, _ = export(plan, config)
+    assert exported["communication_data_type"] == "bf16" and codes_of(plan, exported) == {}
+
+
+def test_check_speaks_for_an_engine_started_in_its_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed keeps "torch_autocast was initialized" in a module-level flag that no engine
+    resets: a ZeRO 1-3 engine started after a torch_autocast one in the same process reduces
+    each parameter in its comm_dtype, its config's communication_data_type aside (2 ranks
+    measure it: the *-after-autocast scenarios of tests/adapters/test_check_matrix.py). 0.5
+    said "fp32 instead of the planned bf16" there, for gradients reduced in bf16 as planned."""
+    from deepspeed.runtime import torch_autocast
+
+    plan = resolve(nn.Sequential(nn.Linear(4, 4), precision(comm=fp32)(nn.LayerNorm(4))),
+                   default="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the two comm dtypes: fp32 for all, said
+        config = dsa.to_config(plan, BASE)
+    assert config["communication_data_type"] == "fp32"
+    fresh = codes_of(plan, config)["deepspeed-comm"]
+    assert (fresh.severity, fresh.modules) == ("warning", ("0",))
+    monkeypatch.setattr(torch_autocast, "TORCH_AUTOCAST_INITIALIZED", True)  # as an engine does
+    assert codes_of(plan, config) == {}
+    assert dsa.reduced(dsa.translate(plan), config, 2) == {"0": bf16, "1": fp32}
+    assert set(dsa.reduced(dsa.translate(plan), config, 0).values()) == {fp32}  # ZeRO 0: one
 
 
 def test_check_asks_deepspeed_which_auto_values_it_refuses() -> None:
@@ -523,10 +612,115 @@ def test_check_says_what_deepspeed_cannot_do_with_the_update_half() -> None:
             dsa.to_config(resolve(nn.Linear(4, 4), spec if isinstance(spec, str) else
                                       "bf16-true,master=fp32,optim=8bit"),
                               {"zero_optimization": {"stage": 2}})
-    zero0 = codes("bf16-true,master=fp32", stage=0)
-    assert "needs ZeRO stage 1-3" in zero0["deepspeed-update"].message
     assert "deepspeed-update" not in codes("bf16-master")  # what DeepSpeed does
     assert "deepspeed-update" not in codes("bf16-true")
+
+
+def test_zero_0_exports_the_fp32_masters_deepspeed_keeps() -> None:
+    """DeepSpeed's bf16 section at ZeRO 0 keeps fp32 masters (the 2-rank run below measures
+    it): to_config exports master=fp32 there, and warns where the plan keeps no master;
+    grad=fp32 ("bf16-master") it cannot say at ZeRO 0. 0.5 refused masters at ZeRO 0 "with
+    no master copy"."""
+
+    def exported(spec: str) -> tuple[dict[str, Any], list[str]]:
+        plan = resolve(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), default=spec)
+        return export(plan, {**BASE, "zero_optimization": {"stage": 0}})
+
+    config, caught = exported("bf16-true,master=fp32")
+    assert (config["bf16"], caught) == ({"enabled": True}, [])
+    config, caught = exported("bf16-true,master=bf16,optim=bf16")
+    assert config["bf16"] == {"enabled": True}  # both keys: refused at ZeRO 0
+    (said,) = caught
+    assert "ZeRO stage 0 DeepSpeed's bf16 mode always keeps fp32 master weights" in said
+    assert "160 more bytes of masters and twice the bytes of optimizer state" in said
+    from precision_annot.adapters.deepspeed.export import GRAD_ACCUM_WORDS
+
+    with pytest.raises(ValueError, match=r"grad=fp32 over bf16 weights needs ZeRO stage 1-3.*"
+                                         + re.escape(GRAD_ACCUM_WORDS)):
+        exported("bf16-master")
+
+
+def hand_zero0(masters: bool) -> list[list[list[float]]]:
+    """The "zero0" worker's model and steps written by hand on one process: SGD on fp32
+    copies of the bf16 weights written back rounded (`masters`), or on the bf16 weights."""
+    from precision_annot import apply
+    from tests.workers.deepspeed import ZERO0_LR, ZERO0_STEPS, zero0_batch, zero0_net
+
+    net = zero0_net()
+    apply(net, resolve(net, default="bf16-true"))
+    params = list(net.parameters())
+    copies = [p.detach().float().clone().requires_grad_() for p in params] if masters else params
+    sgd = torch.optim.SGD(copies, lr=ZERO0_LR)
+    x, y = zero0_batch()
+    out = []
+    for _ in range(ZERO0_STEPS):
+        for p in params:
+            p.grad = None
+        nn.functional.mse_loss(net(x).float(), y).backward()
+        for copy, p in zip(copies, params, strict=True):
+            copy.grad = p.grad if copy is p else p.grad.float()  # type: ignore[union-attr]
+        sgd.step()
+        with torch.no_grad():
+            for copy, p in zip(copies, params, strict=True):
+                p.copy_(copy)
+        out.append([p.detach().double().flatten().tolist() for p in params])
+    return out
+
+
+def moved(steps: list[list[list[float]]], start: list[list[float]]) -> float:
+    """The share of weight elements the steps moved from `start`."""
+    pairs = [(a, b) for end, first in zip(steps[-1], start, strict=True)
+             for a, b in zip(end, first, strict=True)]
+    return sum(a != b for a, b in pairs) / len(pairs)
+
+
+@pytest.mark.slow
+def test_zero_0_keeps_fp32_masters_on_two_ranks(tmp_path: Path) -> None:
+    """DeepSpeed 0.19.8's bf16 section at ZeRO 0 steps the optimizer on fp32 copies of the
+    weights and writes them back rounded (its unfused fp16/bf16 optimizer): 16 SGD steps,
+    most below half a bf16 ulp of their weight, move the weights of 2 ranks exactly as a
+    hand-written fp32-master loop does, where the bf16 weights stepped themselves barely move.
+    The config to_config exports for master=fp32 runs it; a plan with no master gets the same
+    fp32 masters, as to_config and check now say; grad=fp32 DeepSpeed refuses at ZeRO 0."""
+    from precision_annot.adapters.deepspeed.export import GRAD_ACCUM_WORDS
+    from tests.workers.deepspeed import ZERO0, zero0_net
+
+    deepspeed_op_built()
+    launch("tests.workers.deepspeed", "zero0", "0", str(tmp_path), ranks=2, timeout=300)
+    want, bare = hand_zero0(masters=True), hand_zero0(masters=False)
+    start = [p.detach().to(bf16).double().flatten().tolist() for p in zero0_net().parameters()]
+    params = sum(p.numel() for p in zero0_net().parameters())
+    assert moved(want, start) > 0.3 > 0.05 > moved(bare, start), (moved(want, start),
+                                                                 moved(bare, start))
+    base = {**BASE, "zero_optimization": {"stage": 0}}
+    for rank in (0, 1):
+        def ran(layout: str, rank: int = rank) -> dict[str, Any]:
+            return json.loads((tmp_path / f"zero0-{layout}-rank{rank}.json").read_text())
+
+        for layout in ("fp32-masters", "no-master"):
+            r = ran(layout)
+            assert r["refused"] is None and r["config"] == {"bf16": {"enabled": True}}
+            assert (r["optimizer"], r["stored"], r["masters"], r["grad_accum"]) == (
+                "FP16_UnfusedOptimizer", ["bf16"], ["fp32"], "bf16")
+            assert r["master_bytes"] == params * 4
+            assert r["weights"] == want  # bit for bit, at every step
+        assert ran("fp32-masters")["warnings"] == []
+        plan = resolve(zero0_net(), default=ZERO0["fp32-masters"])
+        assert not [f for f in check(plan, "deepspeed", {**base, **ran("fp32-masters")["config"]})
+                    if f.code.startswith("deepspeed-")]
+        (warned,) = ran("no-master")["warnings"]
+        assert f"{params * 4:,} more bytes of masters" in warned
+        plan = resolve(zero0_net(), default=ZERO0["no-master"])
+        (found,) = [f for f in check(plan, "deepspeed", {**base, **ran("no-master")["config"]})
+                    if f.code.startswith("deepspeed-")]
+        assert (found.severity, found.code) == ("warning", "deepspeed-masters")
+        assert f"{params * 4:,} more bytes of masters" in found.message
+        refused = ran("grad-fp32-by-hand")
+        assert "unsupported mix of model_dtype" in refused["refused"]
+        plan = resolve(zero0_net(), default=ZERO0["grad-fp32-by-hand"])
+        (found,) = [f for f in check(plan, "deepspeed", {**base, **refused["config"]})
+                    if f.severity == "error"]
+        assert found.code == "deepspeed-update" and GRAD_ACCUM_WORDS in found.message
 
 
 # -- buffers: data_types.keep_in_fp32_modules -----------------------------------------------------

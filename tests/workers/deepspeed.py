@@ -4,7 +4,8 @@
 `torch.distributed.run ... -m tests.workers.deepspeed` for two; MODE is "train" (bf16 layers and
 an fp32 island) or "fp16" (with an overflow step), STAGES like "0,1,2,3". Each rank writes
 OUTDIR/<mode>-stage<S>-rank<R>.json with what it observed. MODE "update" runs the update
-layouts under ZeRO-2, and "buffers" a DeepSeek-V3's buffers under the configs of
+layouts under ZeRO-2, "zero0" the plans of `ZERO0` under ZeRO-0's bf16 section
+(OUTDIR/zero0-<layout>-rank<R>.json), and "buffers" a DeepSeek-V3's buffers under the configs of
 `BUFFER_CASES` (OUTDIR/buffers-<case>-stage<S>-rank<R>.json).
 """
 
@@ -178,6 +179,66 @@ def run_update(layout: str, rank: int) -> dict[str, Any]:
     return out
 
 
+#: plans run under ZeRO-0 with DeepSpeed's bf16 section in "zero0" mode, each exported by
+#: to_config except "grad-fp32-by-hand", a config written by hand for "bf16-master"
+ZERO0 = {"fp32-masters": "bf16-true,master=fp32", "no-master": "bf16-true,master=bf16,optim=bf16",
+         "grad-fp32-by-hand": "bf16-master"}
+#: SGD's steps in "zero0" mode: each update is below half a bf16 ulp of most weights, so a
+#: weight moves only where a master copy adds the updates up
+ZERO0_STEPS, ZERO0_LR = 16, 1e-3
+
+
+def zero0_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def zero0_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The same batch on every rank: the all-reduced gradient is then each rank's own."""
+    gen = torch.Generator().manual_seed(100)
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+
+
+def run_zero0(layout: str, rank: int) -> dict[str, Any]:
+    """A plan of `ZERO0` under ZeRO-0 with DeepSpeed's bf16 section and SGD: what DeepSpeed
+    keeps beside the bf16 weights, and the weights after each step (or how it refuses)."""
+    import deepspeed
+
+    net = zero0_net()
+    plan = resolve(net, default=ZERO0[layout])
+    base = {**UPDATE_BASE, "zero_optimization": {"stage": 0},
+            "gradient_clipping": 0.0}  # its default clips at 1.0, which SGD by hand does not
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = ({**base, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+                  if layout.endswith("by-hand") else ds_adapter.to_config(plan, base))
+        ds_adapter.prepare(net, plan)
+    out: dict[str, Any] = {"config": {k: v for k, v in config.items() if k not in base},
+                           "warnings": [str(w.message) for w in caught], "refused": None}
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=net, optimizer=torch.optim.SGD(net.parameters(), lr=ZERO0_LR), config=config)
+    except Exception as e:  # what DeepSpeed refuses, said as it says it
+        return {**out, "refused": f"{type(e).__name__}: {e}"}
+    x, y = zero0_batch()
+    weights = []
+    for _ in range(ZERO0_STEPS):
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y))
+        engine.step()
+        weights.append([p.detach().double().flatten().tolist() for p in net.parameters()])
+    masters = [m for group in engine.optimizer.fp32_groups for m in group]
+    out.update({
+        "optimizer": type(engine.optimizer).__name__,
+        "stored": sorted({dtype_name(p.dtype) for p in net.parameters()}),
+        "masters": sorted({dtype_name(m.dtype) for m in masters}),
+        "master_bytes": sum(m.numel() * m.element_size() for m in masters),
+        "grad_accum": dtype_name(engine.get_data_types()[1]),
+        "weights": weights,
+    })
+    engine.destroy()
+    return out
+
+
 def deepseek_v3() -> nn.Module:
     """A tiny Hugging Face DeepSeek-V3: its second layer's router holds the
     `e_score_correction_bias` buffer the class lists in `_keep_in_fp32_modules_strict`, and its
@@ -267,6 +328,11 @@ def main() -> None:
             for case in BUFFER_CASES:
                 (outdir / f"buffers-{case}-stage{stage}-rank{rank}.json").write_text(
                     json.dumps(run_buffers(case, stage, rank)))
+        leave()
+    if mode == "zero0":
+        for layout in ZERO0:
+            (outdir / f"zero0-{layout}-rank{rank}.json").write_text(
+                json.dumps(run_zero0(layout, rank)))
         leave()
     if mode == "update":
         for layout in [*UPDATES, *HAND_WRITTEN]:

@@ -28,6 +28,15 @@ def candidates(low: Policy) -> list[Policy]:
     return [low.merge(Policy(output=fp32, backward=b)) for b in CANDIDATES]
 
 
+def _gemm_islands(low: Policy, islands: Islands, modules: dict[str, nn.Module]) -> list[str]:
+    """The islands whose GEMMs a cheaper arithmetic could run: Linear layers and modules
+    running F.linear on a weight of their own, under a bf16 or fp16 low policy (not fp8)."""
+    if low.fp8 is not None or low.compute not in LOW_PRECISION:
+        return []
+    return [n for n in islands
+            if runs_linear_forward(modules[n]) or owns_gemm_weights(modules[n])]
+
+
 def cheaper_arithmetic(search: Search, islands: Islands, batches: Batches,
                        modules: dict[str, nn.Module],
                        progress: Callable[[int, int], None] | None = None
@@ -37,10 +46,7 @@ def cheaper_arithmetic(search: Search, islands: Islands, batches: Batches,
     replaced the others, and the checks of that plan; None where no island could go (or the
     low policy is not a bf16/fp16 one). Each trial keeps the replacements found before it."""
     low = search.policy
-    if low.fp8 is not None or low.compute not in LOW_PRECISION:
-        return None
-    linear = [n for n in islands
-              if runs_linear_forward(modules[n]) or owns_gemm_weights(modules[n])]
+    linear = _gemm_islands(low, islands, modules)
     if not linear:
         return None
     kept, chosen = dict(islands), dict[str, Policy]()

@@ -14,6 +14,7 @@ import copy
 import difflib
 import importlib
 import re
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from precision_annot.adapters.deepspeed.export import (
     PRECISION_SECTIONS,
     BaseConfig,
     DeepSpeedPlan,
+    UpdateHalf,
     buffer_dtypes,
     config_dtype,
     config_flag,
@@ -44,6 +46,7 @@ from precision_annot.adapters.deepspeed.export import (
     fp16_zero_refusal,
     keep_refusal,
     keep_setting,
+    listed_modules,
     load_base,
     mixed_storage_message,
     param_entries,
@@ -53,12 +56,14 @@ from precision_annot.adapters.deepspeed.export import (
     static_loss_scale,
     to_config,
     translate,
+    unimportable,
     update_half,
     zero_stage,
 )
 
-__all__ = ["CHECKS", "DEFAULT_SAFE_MODULES", "DeepSpeedChecks", "buffer_findings", "findings",
-           "given_config", "known_keys", "read_config", "reduced", "refused", "unresolved_auto"]
+__all__ = ["CHECKS", "DEFAULT_SAFE_MODULES", "DeepSpeedChecks", "autocast_started",
+           "buffer_findings", "findings", "given_config", "known_keys", "read_config", "reduced",
+           "refused", "unresolved_auto"]
 
 
 #: the classes DeepSpeed's torch_autocast tags with the autocast dtype when its config lists none
@@ -92,25 +97,50 @@ def given_config(dsp: DeepSpeedPlan, base: BaseConfig) -> tuple[dict[str, Any], 
 
 def reduced(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> dict[str, torch.dtype]:
     """What DeepSpeed (0.19) reduces each parameter-holding module's gradients in, with this
-    config, after `prepare(model)` set each parameter's `comm_dtype` (in a fresh process).
+    config, after `prepare(model)` set each parameter's `comm_dtype`, in an engine started in
+    this process.
 
     - ZeRO 0 and, without torch_autocast, ZeRO 1-3: every gradient in the engine's
       `communication_data_type`: the config's, else fp16 or bf16 with that section, else fp32.
+    - ZeRO 1-3 in a process that has started an engine with torch_autocast before
+      (`autocast_started`), whatever this config says: each parameter in its `comm_dtype`
+      (what `prepare` set), else the dtype DeepSpeed holds it in.
     - torch_autocast with ZeRO 1-3: each parameter in its `comm_dtype`, which DeepSpeed sets to
-      the autocast dtype for the exact classes `lower_precision_safe_modules` lists (Linear and
-      Conv when it lists none), over what `prepare` set; else the parameter's own dtype.
+      the autocast dtype for the exact classes `lower_precision_safe_modules` lists (each name
+      imported, as DeepSpeed does; Linear and Conv when it lists none), over what `prepare`
+      set; else the parameter's own dtype.
     """
-    plan = dsp.plan
     low = next((s for s in ("bf16", "fp16") if config_flag(config, s)), None)
-    names = param_entries(plan)
-    if stage == 0 or not config_flag(config, "torch_autocast") or low is not None:
+    names = param_entries(dsp.plan)
+    autocast = config_flag(config, "torch_autocast")
+    if stage > 0 and not autocast and autocast_started():
+        return _per_parameter(dsp.plan, names, {"bf16": bf16, "fp16": fp16}.get(low or ""))
+    if stage == 0 or not autocast or low is not None:
         return dict.fromkeys(names, _engine_comm(config, low))
     section = config_section(config, "torch_autocast")
     dtype = config_dtype(section.get("dtype"), "torch_autocast.dtype") or fp16
     listed = section.get("lower_precision_safe_modules")
-    classes = set(listed) if isinstance(listed, list) else set(DEFAULT_SAFE_MODULES)
-    return {name: dtype if plan[name].type in classes else (
-        plan[name].policy.grad_comm or plan[name].policy.storage or fp32) for name in names}
+    tagged = listed_modules(dsp.plan, listed if isinstance(listed, list) else
+                            list(DEFAULT_SAFE_MODULES))
+    return {**_per_parameter(dsp.plan, names, None), **dict.fromkeys(tagged, dtype)}
+
+
+def _per_parameter(plan: PrecisionPlan, names: list[str], held: torch.dtype | None
+                   ) -> dict[str, torch.dtype]:
+    """Each module's gradients in its parameters' `comm_dtype` (what `prepare` set), else in
+    the dtype DeepSpeed holds them in (`held`, its bf16 or fp16 section's; else planned)."""
+    return {name: plan[name].policy.grad_comm or held or plan[name].policy.storage or fp32
+            for name in names}
+
+
+def autocast_started() -> bool:
+    """Whether this process has started a DeepSpeed engine with torch_autocast. DeepSpeed
+    (0.19.8) keeps that in a module-level flag no engine resets, and every ZeRO 1-3 engine
+    started after it reduces each parameter in its `comm_dtype` attribute, with or without
+    torch_autocast in its own config (2 ranks measure it: tests/workers/ds_matrix.py). A
+    process that has not imported DeepSpeed has started none."""
+    module = sys.modules.get("deepspeed.runtime.torch_autocast")
+    return module is not None and bool(module.is_autocast_initialized())
 
 
 def _engine_comm(config: dict[str, Any], low: str | None) -> torch.dtype:
@@ -149,9 +179,10 @@ def findings(model_or_plan: nn.Module | PrecisionPlan, base: BaseConfig = None) 
     actual = reduced(dsp, config, stage)
     cause = ("ZeRO stage 0 reduces every gradient in one dtype (communication_data_type, else "
              "the parameter dtype)" if stage == 0 else
-             "without torch_autocast ZeRO reduces every gradient in communication_data_type, "
-             "and with it DeepSpeed tags the classes lower_precision_safe_modules lists (Linear "
-             "and Conv when it lists none) with the autocast dtype, over prepare's comm_dtype")
+             "without torch_autocast ZeRO reduces every gradient in communication_data_type "
+             "(in a process that has started no torch_autocast engine before), and with it "
+             "DeepSpeed tags the classes lower_precision_safe_modules lists (Linear and Conv "
+             "when it lists none) with the autocast dtype, over prepare's comm_dtype")
     fix = ("Pass the config through precision_annot.adapters.deepspeed.to_config(plan, "
            "config) and call prepare(model) before deepspeed.initialize" + (
                "; per-module comm needs ZeRO stage 1-3" if stage == 0 else ""))
@@ -170,14 +201,56 @@ def refused(found: list[Finding]) -> bool:
 
 def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterator[Finding]:
     """What DeepSpeed refuses to start with, or starts and never updates."""
+    unread = [*_unread_values(config)]
+    yield from unread
+    half = update_half(dsp, stage)
+    cannot, modules = half.refusal, half.modules
+    if cannot is not None:
+        yield Finding(
+            "error", "deepspeed-update", modules[0] if modules else "",
+            f"DeepSpeed cannot run the plan's update half: {cannot}. to_config refuses it, and "
+            "a config written by hand runs DeepSpeed's own layout instead: the plan's masters, "
+            "gradients or state would be other than planned.",
+            "Give every module one update layout DeepSpeed has (fp32 masters and state, or "
+            "bf16 masters with bf16_optimizer_states; grad=fp32 for fp32 accumulation, at ZeRO "
+            "stage 1-3), or train locally, with DDP or FSDP2 and precision_annot.optimizer.",
+            modules)
+    refusal = fp16_zero_refusal(dsp, stage)
+    if refusal:
+        yield Finding("error", "deepspeed-fp16-zero", "",
+                      f"{refusal}: every step is lost.", FP16_ZERO_FIX)
+    if config_flag(config, "fp16") and not _fp16_supported():
+        yield Finding(
+            "error", "deepspeed-fp16-device", "",
+            f"{_REFUSES} the fp16 section on this machine: its accelerator has no fp16 "
+            "(\"Type fp16 is not supported on your device\").",
+            "Run on a device with fp16 (a GPU), or use bf16 (fp16 compute over fp32 storage "
+            "goes through torch_autocast at ZeRO stage 0).")
+    if refusal is None and cannot is None and not unread:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                to_config(dsp, _without_compared_keys(config))  # those: their own findings
+        except (TypeError, ValueError) as e:
+            yield Finding("error", "deepspeed-config", "",
+                          f"{str(e).rstrip('.')}. {_CONSEQUENCE}.",
+                          "Change the config or the plan's annotations, as the message says.")
+        yield from _update_layout(dsp, config, stage, half)
+
+
+def _unread_values(config: dict[str, Any]) -> Iterator[Finding]:
+    """The values DeepSpeed refuses to start with, each in its words."""
     cdt = config.get("communication_data_type")
     if cdt is not None and str(cdt).lower() not in ("fp16", "bf16", "fp32"):
         yield Finding(
             "error", "deepspeed-config", "",
             f"{_REFUSES} communication_data_type={cdt!r} (\"Invalid "
-            "communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']\").",
+            "communication_data_type. Supported data types: ['fp16', 'bf16', 'fp32']\")" + (
+                ": DeepSpeed resolves no \"auto\" at this key, the Hugging Face Trainer leaves "
+                "it, and Accelerate refuses it (\"not found in kwargs\")" if cdt == "auto"
+                else "") + ".",
             "Leave it out, or give one of 'fp16', 'bf16', 'fp32'; to_config(plan, config) "
-            "fills it from the plan.")
+            "fills it from the plan (\"auto\" included).")
     refused_auto = unresolved_auto(config)
     if refused_auto:
         keys = [k for k, _ in refused_auto]
@@ -196,37 +269,17 @@ def _refusals(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int) -> Iterato
             "error", "deepspeed-config", "", f"{_REFUSES} {keep}.",
             f"Leave data_types.{KEEP_IN_FP32} out, or give \"auto\" or a list of name "
             "patterns; to_config(plan, config) fills it from the plan.")
-    _, cannot, modules = update_half(dsp, stage)
-    if cannot is not None:
+    listed = config_section(config, "torch_autocast").get("lower_precision_safe_modules")
+    missing = unimportable(listed) if isinstance(listed, list) and all(
+        isinstance(x, str) for x in listed) else []
+    if missing and config_flag(config, "torch_autocast"):
         yield Finding(
-            "error", "deepspeed-update", modules[0] if modules else "",
-            f"DeepSpeed cannot run the plan's update half: {cannot}. to_config refuses it, and "
-            "a config written by hand runs DeepSpeed's own layout instead: the plan's masters, "
-            "gradients or state would be other than planned.",
-            "Give every module one update layout DeepSpeed has (fp32 masters and state, or "
-            "bf16 masters with bf16_optimizer_states; grad=fp32 for fp32 accumulation), or "
-            "train locally, with DDP or FSDP2 and precision_annot.optimizer.", modules)
-    refusal = fp16_zero_refusal(dsp, stage)
-    if refusal:
-        yield Finding("error", "deepspeed-fp16-zero", "",
-                      f"{refusal}: every step is lost.", FP16_ZERO_FIX)
-    if config_flag(config, "fp16") and not _fp16_supported():
-        yield Finding(
-            "error", "deepspeed-fp16-device", "",
-            f"{_REFUSES} the fp16 section on this machine: its accelerator has no fp16 "
-            "(\"Type fp16 is not supported on your device\").",
-            "Run on a device with fp16 (a GPU), or use bf16 (fp16 compute over fp32 storage "
-            "goes through torch_autocast at ZeRO stage 0).")
-    if refusal is None and cannot is None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                to_config(dsp, _without_compared_keys(config))  # those: their own findings
-        except (TypeError, ValueError) as e:
-            yield Finding("error", "deepspeed-config", "",
-                          f"{str(e).rstrip('.')}. {_CONSEQUENCE}.",
-                          "Change the config or the plan's annotations, as the message says.")
-        yield from _update_layout(dsp, config, stage)
+            "error", "deepspeed-config", "",
+            f"{_REFUSES} torch_autocast.lower_precision_safe_modules={listed!r}: it imports "
+            f"each name and cannot import {missing} (\"Failed to import lower precision safe "
+            "module\").",
+            "Give importable 'package.module.Class' names (a class defined inside a function "
+            "has none), or leave the key to to_config(plan, config).")
 
 
 # -- the update half: the config's layout against the plan's ----------------------------------
@@ -251,15 +304,15 @@ def _without_compared_keys(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _update_layout(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int
-                   ) -> Iterator[Finding]:
+def _update_layout(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int,
+                   half: UpdateHalf) -> Iterator[Finding]:
     """Where the config keeps masters and optimizer states (DeepSpeed's defaults where it says
     nothing) other than the plan does: narrowed (an error), widened (a warning), or a layout
     DeepSpeed itself refuses."""
-    planned, _, _ = update_half(dsp, stage)
+    planned = half.keys
     section = next((s for s in _LOW if config_flag(config, s)), None)
     names = _update_modules(dsp.plan)
-    if not planned or section is None or not names:
+    if section is None or not names or (not planned and stage > 0):
         return  # the plan leaves the update half to DeepSpeed, or runs no bf16/fp16 section
     masters, states = _MASTERS.format(section), _STATES.format(section)
     given = {key: bool(config_flag(config, section, key)) for key in (masters, states)}
@@ -267,11 +320,34 @@ def _update_layout(dsp: DeepSpeedPlan, config: dict[str, Any], stage: int
     if refusal is not None:
         yield _refused_layout(names, section, refusal,
                               fp32_planned=planned.get(masters) is False and given[masters])
-    elif masters in planned and planned[masters] != given[masters]:
+    elif half.widened is not None:  # ZeRO 0: DeepSpeed's own fp32 masters, whatever it is told
+        yield _zero0_masters(names, section, half.widened)
+    else:
+        yield from _layout_drift(dsp.plan, names, config, section, planned, given)
+
+
+def _layout_drift(plan: PrecisionPlan, names: tuple[str, ...], config: dict[str, Any],
+                  section: str, planned: dict[str, Any], given: dict[str, bool]
+                  ) -> Iterator[Finding]:
+    """The masters, else the optimizer states, that a layout DeepSpeed runs keeps other than
+    the plan's keys (`planned`) say."""
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    if masters in planned and planned[masters] != given[masters]:
         said = "true" if given[masters] else _false(config, section, masters)
-        yield _masters_finding(dsp.plan, names, section, given[masters], said)
+        yield _masters_finding(plan, names, section, given[masters], said)
     elif states in planned and planned[states] != given[states]:
-        yield _states_finding(dsp.plan, names, section, planned[states])
+        yield _states_finding(plan, names, section, planned[states])
+
+
+def _zero0_masters(names: tuple[str, ...], section: str, widened: str) -> Finding:
+    """ZeRO 0 keeps fp32 masters and state where the plan keeps none (`UpdateHalf.widened`)."""
+    masters, states = _MASTERS.format(section), _STATES.format(section)
+    return Finding(
+        "warning", "deepspeed-masters", names[0],
+        f"DeepSpeed keeps more than the plan: {widened}.",
+        f"Accept the bytes; or use ZeRO stage 1-3, where {section}.{masters} and "
+        f"{section}.{states} (to_config(plan, config) writes them) keep {section} masters and "
+        "state; or plan master=fp32, what ZeRO stage 0 runs.", names)
 
 
 def _update_modules(plan: PrecisionPlan) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from os import PathLike
 from pathlib import Path
-from typing import Any, Literal, TypeAlias, Union, cast
+from typing import Any, Literal, TypeAlias, Union
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from precision_annot._src.dtypes import (
     to_dtype,
     widest,
 )
+from precision_annot._src.findings import listing
 from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import Policy
@@ -52,12 +53,13 @@ from precision_annot._src.update.rule import fields_of, rule_for
 from precision_annot._src.wrappers import unwrap
 from precision_annot.adapters.deepspeed import buffers
 
-__all__ = ["FP16_ZERO_FIX", "PRECISION_SECTIONS", "BaseConfig", "DeepSpeedPlan", "buffer_dtypes",
-           "config_dtype", "config_flag", "config_section", "deepspeed_release",
-           "deepspeed_version", "fp16_zero_refusal", "keep_refusal", "keep_setting", "load_base",
+__all__ = ["FP16_ZERO_FIX", "GRAD_ACCUM_WORDS", "PRECISION_SECTIONS", "ZERO0_MASTERS",
+           "BaseConfig", "DeepSpeedPlan", "UpdateHalf", "buffer_dtypes", "config_dtype",
+           "config_flag", "config_section", "deepspeed_release", "deepspeed_version",
+           "fp16_zero_refusal", "keep_refusal", "keep_setting", "listed_modules", "load_base",
            "mixed_storage_message", "param_entries", "prepare", "reads_keep_in_fp32",
            "safe_classes", "section_dtype", "static_loss_scale", "to_config", "translate",
-           "update_half", "zero_stage"]
+           "unimportable", "update_half", "zero_stage"]
 
 BaseConfig: TypeAlias = Union[Mapping[str, Any], str, "PathLike[str]", None]
 Case: TypeAlias = Literal["low_storage", "fp32", "autocast"]
@@ -146,9 +148,9 @@ def mixed_storage_message(storages: set[torch.dtype | None], moved: int, extra: 
             "parameters.")
 
 
-def importable_class(path: str) -> str | None:
-    """`path` ("package.module.Class") when DeepSpeed can import it back by `rsplit('.', 1)`,
-    else None."""
+def _import_class(path: str) -> type | None:
+    """The class DeepSpeed finds for `path` ("package.module.Class"): it splits the name at its
+    last dot, imports the module and takes the attribute; None where that fails."""
     module_name, _, class_name = path.rpartition(".")
     if not module_name or "<" in path:
         return None
@@ -156,7 +158,30 @@ def importable_class(path: str) -> str | None:
         found = getattr(importlib.import_module(module_name), class_name, None)
     except Exception:
         return None
-    return path if isinstance(found, type) else None
+    return found if isinstance(found, type) else None
+
+
+def importable_class(path: str) -> str | None:
+    """`path` ("package.module.Class") when DeepSpeed can import it back by `rsplit('.', 1)`,
+    else None."""
+    return path if _import_class(path) is not None else None
+
+
+def unimportable(listed: list[str]) -> list[str]:
+    """The names of `torch_autocast.lower_precision_safe_modules` DeepSpeed cannot import: it
+    refuses to start with them ("Failed to import lower precision safe module")."""
+    return [path for path in listed if _import_class(path) is None]
+
+
+def listed_modules(plan: PrecisionPlan, listed: list[str]) -> set[str]:
+    """The parameter-holding modules whose class `listed` names as DeepSpeed reads it: each
+    name imported (`torch.nn.Linear` is `torch.nn.modules.linear.Linear`), then matched by
+    exact class, never a subclass. A plan class that cannot be imported (defined in a
+    function) matches no importable name."""
+    classes = {c for c in map(_import_class, listed) if c is not None}
+    names = param_entries(plan)
+    found = {path: _import_class(path) for path in {plan[n].type for n in names}}
+    return {name for name in names if found[plan[name].type] in classes}
 
 
 def safe_classes(dsp: DeepSpeedPlan, dtype: torch.dtype) -> list[str] | None:
@@ -335,38 +360,76 @@ def _fill_low_storage(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) ->
         config["communication_data_type"] = SHORT[comm]
 
 
-def update_half(dsp: DeepSpeedPlan, stage: int) -> tuple[dict[str, Any], str | None,
-                                                        tuple[str, ...]]:
-    """The config keys that say the plan's update half (`master`, `grad`, `optim`) to
-    DeepSpeed, or why it cannot, and the modules concerned.
+@dataclasses.dataclass(frozen=True)
+class UpdateHalf:
+    """What DeepSpeed makes of the plan's update half (`master`, `grad`, `optim`) at one ZeRO
+    stage, from `update_half`.
 
-    DeepSpeed keeps one layout for the whole model: under its bf16 (fp16) section, ZeRO 1-3
+    Attributes:
+        keys: the config keys that say it (`{section}_master_weights_and_grads`,
+            `{section}_optimizer_states`, `grad_accum_dtype`); empty where DeepSpeed's own
+            layout is the plan's, or where the plan sets none of the three fields.
+        refusal: why DeepSpeed cannot hold it (a narrowing, or a layout it has no setting
+            for), a sentence without its full stop; else None.
+        widened: what DeepSpeed keeps wider than planned, where it has no setting for the
+            plan's layout at this stage but runs its own wider one; else None.
+        modules: the modules concerned (with a refusal or a widening).
+    """
+
+    keys: dict[str, Any]
+    refusal: str | None = None
+    widened: str | None = None
+    modules: tuple[str, ...] = ()
+
+
+def update_half(dsp: DeepSpeedPlan, stage: int) -> UpdateHalf:
+    """What DeepSpeed makes of the plan's update half at ZeRO `stage` (see `UpdateHalf`).
+
+    DeepSpeed keeps one layout for the whole model. Under its bf16 (fp16) section, ZeRO 1-3
     keep fp32 master weights and fp32 optimizer state unless `bf16_master_weights_and_grads`
     (and `bf16_optimizer_states`) say bf16, and gradients accumulate in
-    `data_types.grad_accum_dtype`; ZeRO 0 keeps no master at all. A plan that sets none of
-    the three fields leaves DeepSpeed's defaults as they are."""
+    `data_types.grad_accum_dtype`. ZeRO 0 always keeps fp32 master weights and fp32 optimizer
+    state (its unfused fp16/bf16 optimizer wraps the optimizer around fp32 copies of the
+    weights, updates them and writes them back rounded), refuses both keys, and accumulates
+    gradients in the section's dtype (it refuses another `grad_accum_dtype`). A plan that sets
+    none of the three fields leaves DeepSpeed's defaults as they are."""
     plan = dsp.plan
     names = [n for n in param_entries(plan) if any(
         getattr(plan[n].policy, f) is not None for f in ("master", "grad", "optim"))]
     if not names:
-        return {}, None, ()
+        return UpdateHalf({})
     layouts = _update_layouts(plan)
     if len(layouts) > 1:
         groups = sorted(layouts.values(), key=len)
-        return {}, (f"the plan updates its modules in {len(layouts)} ways (for example "
-                    f"{groups[0][0]!r} apart from {groups[-1][0]!r}), and DeepSpeed keeps one "
-                    "layout of masters, gradients and state for the whole model"), tuple(
-                        n for g in groups[:-1] for n in g)
+        return UpdateHalf({}, refusal=(
+            f"the plan updates its modules in {len(layouts)} ways (for example "
+            f"{groups[0][0]!r} apart from {groups[-1][0]!r}), and DeepSpeed keeps one layout "
+            "of masters, gradients and state for the whole model"),
+            modules=tuple(n for g in groups[:-1] for n in g))
     policy = plan[names[0]].policy
     section = {bf16: "bf16", fp16: "fp16"}.get(policy.storage or fp32)
     refusal = _update_refusal(policy, section, stage)
     if refusal is not None:
-        return {}, refusal, tuple(names)
-    return _update_keys(policy, section, stage), None, ()
+        return UpdateHalf({}, refusal=refusal, modules=tuple(names))
+    widened = _zero0_widened(plan, names, policy, section) if stage == 0 else None
+    return UpdateHalf(_update_keys(policy, section, stage), widened=widened,
+                      modules=tuple(names) if widened else ())
 
 
+#: DeepSpeed's words when ZeRO 0 is given another grad_accum_dtype than its weights' dtype
+GRAD_ACCUM_WORDS = "\"unsupported mix of model_dtype and grad_accum_dtype\""
 #: the dtype DeepSpeed stores weights in under each section
 _SECTION_DTYPES = {"bf16": bf16, "fp16": fp16, None: fp32}
+#: how ZeRO 0 updates weights under DeepSpeed's bf16 or fp16 section (deepspeed 0.19.8,
+#: `runtime/fp16/unfused_optimizer.py`; tests/adapters/test_deepspeed.py measures it)
+ZERO0_MASTERS = ("at ZeRO stage 0 DeepSpeed's {section} mode always keeps fp32 master weights "
+                 "and fp32 optimizer state: it wraps the optimizer around fp32 copies of the "
+                 "weights, kept from step to step, and writes them back rounded")
+
+
+def _copies(policy: Policy, section: str | None) -> bool:
+    """Whether the plan keeps a master copy beside the section's weights."""
+    return rule_for(fields_of(policy), _SECTION_DTYPES[section]).master is not None
 
 
 def _update_keys(policy: Policy, section: str | None, stage: int) -> dict[str, Any]:
@@ -375,14 +438,29 @@ def _update_keys(policy: Policy, section: str | None, stage: int) -> dict[str, A
         return {}
     out: dict[str, Any] = {}
     state = policy.optim if isinstance(policy.optim, torch.dtype) else None
-    copies = rule_for(fields_of(policy), _SECTION_DTYPES[section]).master is not None
-    if stage >= 1:
+    copies = _copies(policy, section)
+    if stage >= 1:  # ZeRO 0 refuses both keys, and keeps fp32 masters whatever they say
         out[f"{section}_master_weights_and_grads"] = not copies
         if not copies:
             out[f"{section}_optimizer_states"] = state is None or state == policy.storage
     if policy.grad is not None:
         out["grad_accum_dtype"] = SHORT[policy.grad]
     return out
+
+
+def _zero0_widened(plan: PrecisionPlan, names: list[str], policy: Policy,
+                   section: str | None) -> str | None:
+    """What ZeRO 0 keeps wider than a plan that updates the low weights themselves (no master
+    copy), or None."""
+    if section is None or _copies(policy, section):
+        return None
+    elements = sum(plan[n].params for n in names)
+    state = rule_for(fields_of(policy), _SECTION_DTYPES[section]).state
+    twice = isinstance(state, torch.dtype) and state.itemsize < 4
+    return (f"{ZERO0_MASTERS.format(section=section)}, where the plan updates the {section} "
+            f"weights themselves (master={section}) for {listing(names)}: {elements * 4:,} "
+            "more bytes of masters" + (" and twice the bytes of optimizer state" if twice else "")
+            + " than planned")
 
 
 def _update_layouts(plan: PrecisionPlan) -> dict[str, list[str]]:
@@ -412,11 +490,16 @@ def _update_refusal(policy: Policy, section: str | None, stage: int) -> str | No
         return None if state is None or state == fp32 else (
             f"optim={dtype_name(state)} over fp32 weights has no DeepSpeed setting (its state "
             "is kept in the dtype it updates)")
-    copies = rule_for(fields_of(policy), _SECTION_DTYPES[section]).master is not None
-    if copies and stage == 0:
-        return (f"master={dtype_name(cast(torch.dtype, policy.master))} over {section} weights "
-                f"needs ZeRO stage 1-3: at stage 0 DeepSpeed's {section} mode updates the "
-                f"{section} weights themselves, with no master copy")
+    rule = rule_for(fields_of(policy), _SECTION_DTYPES[section])
+    copies = rule.master is not None
+    grad = rule.grad or _SECTION_DTYPES[section]
+    if stage == 0 and grad != _SECTION_DTYPES[section]:
+        return (f"grad={dtype_name(grad)} over {section} weights needs ZeRO stage 1-3: at "
+                f"stage 0 DeepSpeed accumulates gradients in the {section} weights' own .grad, "
+                f"refuses data_types.grad_accum_dtype={SHORT[grad]!r} ({GRAD_ACCUM_WORDS}), "
+                f"and without that key fails at initialize on the parameters' "
+                f"{dtype_name(grad)} gradients; at ZeRO stage 0 leave grad unset (or "
+                f"{section}): {ZERO0_MASTERS.format(section=section)}")
     if copies and state is not None and state != fp32:
         return (f"optim={dtype_name(state)} beside fp32 masters has no DeepSpeed setting "
                 f"({section}_optimizer_states needs {section} masters)")
@@ -425,12 +508,15 @@ def _update_refusal(policy: Policy, section: str | None, stage: int) -> str | No
 
 def _fill_update(config: dict[str, Any], dsp: DeepSpeedPlan, stage: int) -> None:
     """The plan's update half, where it sets one, into the bf16/fp16 section and data_types."""
-    keys, refusal, names = update_half(dsp, stage)
-    if refusal is not None:
-        raise ValueError(f"DeepSpeed cannot run the plan's update half: {refusal}. Modules: "
-                         f"{list(names[:8])}")
+    half = update_half(dsp, stage)
+    if half.refusal is not None:
+        raise ValueError(f"DeepSpeed cannot run the plan's update half: {half.refusal}. "
+                         f"Modules: {list(half.modules[:8])}")
+    if half.widened is not None:
+        warnings.warn(f"DeepSpeed keeps more than the plan: {half.widened}.", UserWarning,
+                      stacklevel=3)
     section = next((s for s in ("bf16", "fp16") if config_flag(config, s)), None)
-    for key, value in keys.items():
+    for key, value in half.keys.items():
         if key == "grad_accum_dtype":
             data = config_section(config, "data_types")
             given = data.get(key)
@@ -540,10 +626,15 @@ def to_config(
     """A DeepSpeed config for the plan: `base`, with the precision sections it leaves empty filled.
 
     `base` is read as DeepSpeed reads it: a file may carry comments (hjson), a `null` section
-    is an empty one, `"auto"` values are filled from the plan, and booleans may be strings
-    such as "false". Under the bf16 or fp16 section, `data_types.keep_in_fp32_modules` (read
-    by DeepSpeed 0.19.8 and later) is set to the buffers the plan keeps in fp32 where
-    DeepSpeed's "auto" would keep others.
+    is an empty one, `"auto"` values of the precision keys are filled from the plan
+    (`communication_data_type` included, which DeepSpeed and Accelerate refuse as "auto"),
+    booleans may be strings such as "false", and `torch_autocast.lower_precision_safe_modules`
+    names classes DeepSpeed imports. Under the bf16 or fp16 section,
+    `data_types.keep_in_fp32_modules` (read by DeepSpeed 0.19.8 and later) is set to the
+    buffers the plan keeps in fp32 where DeepSpeed's "auto" would keep others; the plan's
+    update half goes into that section's master keys and `data_types.grad_accum_dtype` (see
+    `update_half`; at ZeRO 0 DeepSpeed keeps fp32 masters of its own, and a plan without
+    masters is warned of).
 
     Args:
         model_or_plan: a model (resolved here), a `PrecisionPlan`, or `translate`'s result.
@@ -564,12 +655,22 @@ def to_config(
     config_dtype(config.get("communication_data_type"), "communication_data_type")
     config_dtype(config_section(config, "torch_autocast").get("dtype"), "torch_autocast.dtype")
     _FILLS[dsp.case](config, dsp, stage)
+    _fill_auto_comm(config)
     _fill_update(config, dsp, stage)
     _fill_buffers(config, dsp)
     for section in PRECISION_SECTIONS:  # DeepSpeed cannot read a null torch_autocast
         if section in config and config[section] is None:
             del config[section]
     return config
+
+
+def _fill_auto_comm(config: dict[str, Any]) -> None:
+    """`communication_data_type: "auto"` where the plan has no one comm dtype to write there:
+    the dtype DeepSpeed reduces in when the key is absent (its bf16 or fp16 section's, else
+    fp32). DeepSpeed refuses "auto" at this key, and neither the Hugging Face Trainer nor
+    Accelerate fills it."""
+    if config.get("communication_data_type") == "auto":
+        config["communication_data_type"] = SHORT[section_dtype(config) or fp32]
 
 
 # -- buffers: data_types.keep_in_fp32_modules (buffers.py) --------------------------------------
@@ -680,13 +781,20 @@ def _check_user_classes(dsp: DeepSpeedPlan, listed: object, dtype: torch.dtype) 
             "torch_autocast.lower_precision_safe_modules must be a list of 'package.Class' names. "
             f"Received: {listed!r}"
         )
+    missing = unimportable(listed)
+    if missing:
+        raise ValueError(f"base config: DeepSpeed cannot import {missing} of "
+                         "torch_autocast.lower_precision_safe_modules, and refuses to start "
+                         "(\"Failed to import lower precision safe module\"); give importable "
+                         "'package.module.Class' names, or leave the key to the plan.")
     plan = dsp.plan
+    tagged = listed_modules(plan, listed)
     for name in param_entries(plan):
         comm = plan[name].policy.grad_comm
-        if plan[name].type in listed and comm != dtype:
+        if name in tagged and comm != dtype:
             raise _contradiction(
                 "torch_autocast.lower_precision_safe_modules",
-                f"{plan[name].type} (reduced in {dtype_name(dtype)})",
+                f"{listed} (DeepSpeed reduces {plan[name].type} in {dtype_name(dtype)})",
                 f"{name!r} reduced in {dtype_name(comm)}",
             )
 
