@@ -185,3 +185,33 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+
+
+@pytest.mark.usefixtures("group")
+def test_remove_leaves_no_input_cast_of_a_kept_column_parallel_style() -> None:
+    """A column-parallel Linear subclass with its own forward keeps torch's style, and the
+    adapter casts its input to the compute dtype first; after `remove` that cast is gone with
+    the plan (it cast an fp32 input to bf16 for fp32 weights: "mat1 and mat2 must have the
+    same dtype")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from precision_annot.adapters import tp
+
+    class Own(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Own(16, 32), nn.GELU(), nn.Linear(32, 16))
+    pa.apply(model, default="bf16-mixed")
+    tp.parallelize_module(model, init_device_mesh("cpu", (1,)),
+                          {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 16)
+    assert model(x).dtype == bf16
+    pa.remove(model)
+    out = model(x)
+    assert out.dtype == fp32
+    want = model[2](nn.functional.gelu(nn.functional.linear(
+        x, model[0].weight.full_tensor(), model[0].bias.full_tensor())))
+    assert torch.allclose(out, want, atol=1e-6)

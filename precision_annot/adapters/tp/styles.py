@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
 from precision_annot._src.dtypes import widest
-from precision_annot._src.runtime import find_boundary
+from precision_annot._src.runtime import ModuleState, find_boundary
 
 __all__ = ["InputCast", "PlannedColwiseParallel", "PlannedRowwiseParallel", "TPState",
            "state_of", "wide_mm"]
@@ -308,6 +308,8 @@ class InputCast:
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         x = args[0] if args else None
+        if ModuleState.of(module) is None:  # `remove`d: its weights are back in their dtype
+            return None
         if (not isinstance(x, torch.Tensor) or isinstance(x, DTensor)
                 or not x.is_floating_point() or x.dtype == self.dtype):
             return None
