@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from precision_annot import GradScaler, apply
 from precision_annot._src.dtypes import dtype_name
@@ -165,6 +166,27 @@ def watch(model: nn.Module, seen: dict[str, str]) -> None:
             module.register_forward_hook(hook(name))
 
 
+class LinearDtypes(TorchFunctionMode):
+    """Record the dtype each Linear's own `F.linear` computed in (before a boundary casts its
+    output: an fp32 island hands bf16 back to bf16 code), found by the weight it multiplies
+    (the module's `weight` at that moment: FSDP's gathered one, a boundary's cast copy)."""
+
+    def __init__(self, model: nn.Module, seen: dict[str, str]) -> None:
+        super().__init__()
+        self.linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is nn.functional.linear and isinstance(out, torch.Tensor):
+            weight = args[1] if len(args) > 1 else (kwargs or {}).get("weight")
+            owner = next((n for n, m in self.linears if m.weight is weight), None)
+            if owner is not None:
+                self.seen.setdefault(owner, dtype_name(out.dtype))
+        return out
+
+
 def observe(scenario: Scenario, rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, plan = build_applied(scenario)
@@ -177,7 +199,7 @@ def observe(scenario: Scenario, rank: int) -> dict[str, Any]:
             out["storage"] = storage(model)  # whole: FSDP1 holds flat shards otherwise
         for step in range(STEPS):
             del WIRE[:]
-            with recording(dist, c10d) as calls:
+            with recording(dist, c10d) as calls, LinearDtypes(model, out["compute"]):
                 _step(scenario, runner, optimizer, rank)
             if step == 1:  # a settled step (DDP rebuilds its buckets after the first)
                 wire = WIRE if scenario.backend == "ddp" else [

@@ -53,8 +53,10 @@ def cheaper_arithmetic(search: Search, islands: Islands, batches: Batches,
     for i, name in enumerate(linear):
         if progress is not None:
             progress(i, len(linear))
+        trial = {k: v for k, v in kept.items() if k != name}
+        if name in search.held_together(trial):
+            continue  # tied to a parameter an island keeps wide: a tie has one dtype
         for policy in candidates(low):
-            trial = {k: v for k, v in kept.items() if k != name}
             search.arithmetic = {**chosen, name: policy}
             final, held = batches.checks(search, trial)
             if final.passed and all(c.passed for c in held):
