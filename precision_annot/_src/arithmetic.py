@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from precision_annot._src import seams
+from precision_annot._src.guards import warn
 
 if TYPE_CHECKING:
     from precision_annot._src.policy import Policy
@@ -262,6 +263,10 @@ def owns_gemm_weights(module: nn.Module) -> bool:
     """True when `module` holds a 2-D floating parameter of its own: the weight of a GEMM its
     forward may run through `F.linear` (a router holding its `weight`, as transformers' MoE
     routers do, or an nn.Linear subclass with a forward of its own)."""
+    if type(module).__module__.startswith("torch."):
+        # torch's own modules: an nn.Embedding's or an LSTM's 2-D weights feed no F.linear, and
+        # MultiheadAttention's are attention's (not covered); nn.Linear is `runs_linear_forward`
+        return False
     return any(p.dim() == 2 and p.is_floating_point()
                for p in module.parameters(recurse=False))
 
@@ -273,6 +278,7 @@ class _OwnGemms(TorchFunctionMode):
     def __init__(self, weights: set[int], arith: Arithmetic) -> None:
         super().__init__()
         self.weights, self.arith = weights, arith
+        self.reached = False  # whether a GEMM took the arithmetic (counted in eager only)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -282,6 +288,8 @@ class _OwnGemms(TorchFunctionMode):
             w = args[1] if len(args) > 1 else kwargs["weight"]
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if id(w) in self.weights:
+                if not torch.compiler.is_compiling():
+                    self.reached = True
                 return linear(x, w, b, self.arith)
         return func(*args, **kwargs)
 
@@ -295,6 +303,7 @@ class ModuleGemms:
     def __init__(self, module: nn.Module, arith: Arithmetic,
                  inner: Callable[..., Any] | None) -> None:
         self.module, self.arith, self.inner = module, arith, inner
+        self.warned = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -302,12 +311,21 @@ class ModuleGemms:
         for name, p in module.named_parameters(recurse=False):
             if p.dim() == 2:
                 weights.update((id(p), id(getattr(module, name))))
-        with _OwnGemms(weights, self.arith):
+        mode = _OwnGemms(weights, self.arith)
+        with mode:
             if self.inner is not None:
-                return self.inner(*args, **kwargs)
-            # the class's forward called with the module (Dynamo traces this; a bound method
-            # made by `types.MethodType` breaks `torch.compile(fullgraph=True)`)
-            return type(module).forward(module, *args, **kwargs)
+                out = self.inner(*args, **kwargs)
+            else:
+                # the class's forward called with the module (Dynamo traces this; a bound
+                # method made by `types.MethodType` breaks `torch.compile(fullgraph=True)`)
+                out = type(module).forward(module, *args, **kwargs)
+        if not mode.reached and not self.warned and not torch.compiler.is_compiling():
+            self.warned = True
+            warn(f"{type(module).__name__}.forward ran no F.linear on a 2-D weight of its own "
+                 f"as it is held (a copy such as `self.weight.float()` is another tensor): "
+                 f"its plan's arithmetic ({self.arith}) reached none of its GEMMs, which ran "
+                 f"as its forward computes them")
+        return out
 
     def __repr__(self) -> str:
         return f"ModuleGemms({self.arith})"
