@@ -80,6 +80,7 @@ def make_model():
 '''
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_console_script_from_the_directory_of_the_model(tmp_path: Path) -> None:
     """0.1: `report mymod:make_model` failed with ModuleNotFoundError there, and
     `export deepspeed` wrote an empty lower_precision_safe_modules."""
@@ -206,6 +207,7 @@ def make():
 '''
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_check_exit_status_gates_on_errors(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     """`check` exits 1 when a finding is an error, 0 when there are only warnings and infos,
@@ -267,6 +269,7 @@ def test_a_file_target_imports_its_siblings(tmp_path: Path, monkeypatch: pytest.
     assert "Linear" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_a_closed_pipe_ends_quietly_and_version(tmp_path: Path) -> None:
     (tmp_path / "wide.py").write_text(
         "from torch import nn\n\ndef many():\n"

@@ -493,7 +493,8 @@ def test_check_a_static_fp16_loss_scale_as_on_a_gpu_machine(
     assert "deepspeed-static-loss-scale" not in codes_of(plan, dsa.to_config(plan, BASE))
 
 
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # over make test's budget: run by make test-all
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_fp32_island_trains_under_zero_0_to_3(ranks: int, tmp_path: Path) -> None:
     results = run("train", STAGES, ranks, tmp_path)
     for stage in STAGES:
@@ -509,7 +510,8 @@ def test_fp32_island_trains_under_zero_0_to_3(ranks: int, tmp_path: Path) -> Non
                 assert reduced == {("bf16", LINEAR), ("fp32", NORM)}, results[stage, 0]
 
 
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # over make test's budget: run by make test-all
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_fp16_trains_with_dynamic_loss_scaling_and_skips_overflow(ranks: int,
                                                                     tmp_path: Path) -> None:
     results = run("fp16", [0], ranks, tmp_path)
@@ -543,6 +545,7 @@ def test_to_config_and_prepare_start_from_the_plan_applied_to_the_model() -> Non
 
 # -- the update half ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_the_update_half_runs_on_two_zero_2_ranks_as_exported(tmp_path: Path) -> None:
     """to_config says the plan's masters, state and gradient accumulation in DeepSpeed's keys,
     and ZeRO-2 on 2 ranks keeps exactly that: bf16 masters and bf16 state, or fp32 masters,
@@ -888,6 +891,7 @@ BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 TABLES = {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"}
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_check_says_what_deepspeed_does_to_buffers_as_two_ranks_measure(tmp_path: Path) -> None:
     """A "bf16-true" DeepSeek-V3 (router bias planned bf16, rotary tables fp32) under
     DeepSpeed's bf16 section on 2 ranks, ZeRO 0-3, with each config of `BUFFER_CASES`: the

@@ -311,6 +311,7 @@ def test_a_model_sharded_with_its_own_policy_is_checked_as_sharded(group: None) 
         sharded(torch.randn(2, 16))
 
 
+@pytest.mark.slow  # over make test's budget: run by make test-all
 def test_two_ranks_load_a_bf16_checkpoint_into_the_sharded_fp32_router_and_resume_exactly(
         tmp_path: Path) -> None:
     """FSDP2 on 2 gloo ranks, a bf16 model whose router is an fp32 island, sharded along its
