@@ -29,7 +29,7 @@ import torch
 from precision_annot._src import update_kernels, update_triton
 from tests.adapters.conftest import group  # noqa: F401 - the one-rank process group fixture
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", minversion="3.9")  # (update_triton.MIN_TRITON)
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 #: odd sizes, one larger than a program's 1,024 elements (3 programs, the last partial), one
