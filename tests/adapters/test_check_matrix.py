@@ -252,5 +252,6 @@ def test_check_agrees_with_what_deepspeed_did(deepspeed_records: dict[str, dict[
     assert_agrees(scores, report)
 
 
+@pytest.mark.slow  # it needs every scenario's real run (the matrix's fixture)
 def test_every_scenario_ran(records: dict[str, dict[str, Any]]) -> None:
     assert sorted(records) == sorted(s.name for s in SCENARIOS)
