@@ -26,6 +26,7 @@ def assert_equals_the_hand_loop(ranks: list[dict[str, Any]]) -> None:
         assert r["grads"] == ["torch.float32"], r  # .grad is fp32 after DDP's reduction
 
 
+@pytest.mark.slow  # over make test's budget (6 s a torch); the Trainer and Lightning loops stay
 def test_ddp_no_sync_and_fsdp2_accumulate_in_fp32_as_by_hand(tmp_path: Path) -> None:
     """DDP: 3 micro-batches per step, the first two under `no_sync`, `model.zero_grad()` and
     `clip_grad_norm_` on the model: equal to the hand loop (sums reduced in bf16, the plan's
