@@ -17,11 +17,15 @@ stays a failure.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch.distributed as dist
+
+from tests.helpers import free_port
 
 
 @pytest.fixture(autouse=True)
@@ -65,3 +69,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             report.longrepr = (str(item.path), item.location[1] or 0,
                                f"Skipped: this CPU's kernels cannot run fp8 GEMMs ({refusal})")
     return report
+
+
+# `group`: a one-rank gloo process group for in-process DDP, FSDP and tensor-parallel tests
+# (the environment it sets is restored by `_restore_environment`)
+@pytest.fixture
+def group() -> Iterator[None]:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()  # a DDP or FSDP wrapper left in a reference cycle goes before its group
+        dist.destroy_process_group()

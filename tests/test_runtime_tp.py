@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import precision_annot as pa
-from tests.helpers import free_port, launch
+from tests.helpers import launch
 
 bf16, fp32 = torch.bfloat16, torch.float32
 SPEC = "bf16-true,master=fp32"
@@ -103,17 +102,6 @@ def check_round_trip(out: dict[str, Any]) -> None:
     assert all(v == planned for v in out["applied"].values()), out["applied"]
     assert out["same_objects"] and out["applied_rounded_masters"]
     assert out["as_the_run_that_did_not_stop"]
-
-
-@pytest.fixture
-def group() -> Iterator[None]:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.usefixtures("group")

@@ -16,7 +16,6 @@ import torch
 from torch.optim.adam import adam as torch_adam_functional
 
 from precision_annot._src import update_kernels as kernels
-from tests.adapters.conftest import group  # noqa: F401 - the one-rank process group fixture
 from tests.helpers import Allocations
 
 #: shapes with odd sizes, one larger than the small chunk the tests use (so it is split), and

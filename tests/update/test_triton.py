@@ -27,7 +27,6 @@ import pytest
 import torch
 
 from precision_annot._src import update_kernels, update_triton
-from tests.adapters.conftest import group  # noqa: F401 - the one-rank process group fixture
 
 pytest.importorskip("triton", minversion="3.9")  # (update_triton.MIN_TRITON)
 
