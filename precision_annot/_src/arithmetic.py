@@ -42,17 +42,13 @@ from precision_annot._src.guards import warn
 if TYPE_CHECKING:
     from precision_annot._src.policy import Policy
 
-__all__ = ["BACKWARDS", "EMULATIONS", "Arithmetic", "ArithmeticForward", "Backward", "Emulation",
-           "ModuleGemms", "linear", "mm", "of_policy", "owns_gemm_weights", "pieces",
-           "runs_linear_forward"]
+__all__ = ["Arithmetic", "ArithmeticForward", "Backward", "Emulation", "ModuleGemms", "linear",
+           "mm", "of_policy", "owns_gemm_weights", "pieces", "runs_linear_forward"]
 
+#: the values of the plan's `backward` and emulated computes (`dtypes.BACKWARDS`,
+#: `dtypes.EMULATIONS`, which `Policy` checks), as types
 Backward: TypeAlias = Literal["round", "split2", "split3", "wide"]
 Emulation: TypeAlias = Literal["bf16x3", "bf16x9"]
-
-#: what the backward GEMMs make of a wide output gradient
-BACKWARDS: tuple[Backward, ...] = ("round", "split2", "split3", "wide")
-#: emulated fp32 GEMMs, by the pieces each operand is split into
-EMULATIONS: tuple[Emulation, ...] = ("bf16x3", "bf16x9")
 
 
 @dataclasses.dataclass(frozen=True)
