@@ -100,6 +100,17 @@ def _phases(phases: object, total_steps: int | None) -> list[tuple[int, Phase]]:
     return [(step, by_step[step][1]) for step in sorted(by_step)]
 
 
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer a trainer's wrapper holds (Accelerate's `AcceleratedOptimizer`,
+    Lightning's `LightningOptimizer`: each keeps it as `.optimizer`), or `optimizer`."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, PlanOptimizer) or not isinstance(inner, Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
 class Schedule:
     """A plan that changes at chosen steps; see `schedule`.
 
@@ -227,6 +238,7 @@ def schedule(model: nn.Module, phases: Mapping[int | float, Phase], *,
         ([False, True, False, False], torch.float32)
     """
     require_module(model, "schedule")
+    optimizer = _unwrapped(optimizer)
     if optimizer is not None and not isinstance(optimizer, PlanOptimizer):
         raise ValueError(
             "schedule: optimizer must be one precision_annot.optimizer built (it follows each "
