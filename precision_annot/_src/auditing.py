@@ -40,6 +40,7 @@ from precision_annot._src.runtime import (
     find_boundary,
     plan_of,
 )
+from precision_annot._src.schedule import Switch, switches_of
 from precision_annot._src.tables import format_table
 from precision_annot._src.tracking import DATA_MOVEMENT, ModuleTracker
 from precision_annot._src.update.rule import fields_of, rule_for
@@ -312,6 +313,9 @@ class AuditReport:
 
     `report.divergences` lists every difference from the plan and is empty when the plan is
     real; `str(report)` is a table with one row per module that ran or holds tensors.
+    `report.switches` holds each switch a `precision_annot.schedule` made inside the block
+    (its step, phases and what it narrowed): the rows then hold what ran in both phases and are
+    compared with the plan the block began in, so audit one phase per block to compare each.
     """
 
     def __init__(self, plan: PrecisionPlan, execution: Execution,
@@ -320,6 +324,7 @@ class AuditReport:
         self.execution = execution
         self.records = records
         self._installed = installed
+        self.switches: list[Switch] = []
 
     def __getitem__(self, name: str) -> ModuleRecord:
         return self.records[name]
@@ -407,6 +412,9 @@ class AuditReport:
         lines.append("")
         lines.append("ops: the dtypes floating ops computed in, after autocast, with counts "
                      "(fp8-gemm: GEMMs with fp8 operands); * boundary.")
+        for switch in self.switches:
+            lines.append(f"The plan switched inside the block, at {switch}: the rows hold both "
+                         "phases, compared with the plan the block began in.")
         if divergences:
             lines.append(f"{len(divergences)} divergences from the plan:")
             lines.extend(f"  {d}" for d in divergences)
@@ -720,6 +728,7 @@ class audit:
             self._watch_step(self.optimizer, names, records)
         self.report = AuditReport(self.plan, execution, records, installed)
         self._names = names
+        self._switches_before = len(switches_of(self.model))
         return self.report
 
     def _claim_input_hooks(self, tracker: ModuleTracker, names: dict[nn.Module, str],
@@ -797,6 +806,7 @@ class audit:
             handle.remove()
         self._handles.clear()
         assert self.report is not None
+        self.report.switches = switches_of(self.model)[self._switches_before:]
         for module, name in self._names.items():  # storage as it is at the end of the block
             self.report.records[name].tensors.update(_own_tensors(module))
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from precision_annot._src import float8, grads, recompute
 from precision_annot._src.arithmetic import (
@@ -95,9 +96,12 @@ class AppliedState:
         keys = {key: f"{prefix}{key[0]}.{key[2]}" if key[0] else f"{prefix}{key[2]}"
                 for key, target in self.execution.targets.items() if target.persistent}
         planned = {keys[key]: self.execution.targets[key].dtype for key in keys}
-        warn_narrowed("load_state_dict", narrowed(planned, (
-            (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor))),
-            stacklevel=3)
+        found = narrowed(planned, (
+            (k, v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)))
+        defer = DEFER_NARROWED.get(model)  # type: ignore[no-untyped-call]
+        if found and defer is not None and defer(found):
+            return  # a schedule's: the optimizer's checkpoint may hold the phase and masters
+        warn_narrowed("load_state_dict", found, stacklevel=3)
 
     def before_load_masters(self, module: nn.Module, state_dict: Mapping[str, Any],
                             prefix: str, *args: Any) -> None:
@@ -150,6 +154,11 @@ class AppliedState:
             # (new parameters: `assign=True`, or made since apply, as `to_empty` makes them;
             # the masters made for them, and the values kept for those, follow the plan)
             guard.note([], guard.planned_updates(self.plan, named))
+
+
+#: per model, a callable a `precision_annot.schedule` sets, handed the tensors a load gives
+#: narrower than the plan keeps them, which returns True when it says so itself, later
+DEFER_NARROWED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _view(tensor: torch.Tensor) -> tuple[Any, ...]:

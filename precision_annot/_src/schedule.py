@@ -9,24 +9,167 @@ widest copy there is), and gradients are dropped at the switch, as `zero_grad` d
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from precision_annot._src.checkpoints.loading import Narrowed, warn_narrowed
+from precision_annot._src.dtypes import dtype_name
 from precision_annot._src.guards import require_module
+from precision_annot._src.memory import MemoryReport
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.policy import Policy, SpecLike
-from precision_annot._src.runtime import apply
+from precision_annot._src.resolution import resolve
+from precision_annot._src.runtime import DEFER_NARROWED, apply
+from precision_annot._src.update import formats, guard
 from precision_annot._src.update.optimizer import PlanOptimizer
 
-__all__ = ["Schedule", "schedule"]
+__all__ = ["Narrowing", "Schedule", "Switch", "schedule", "switches_of"]
 
 Phase = PrecisionPlan | SpecLike
+
+
+@dataclasses.dataclass(frozen=True)
+class Narrowing:
+    """What a switch lost: the values of one kind (`what`: "weight", the truth of a parameter,
+    its master where it has one; or an optimizer state, "exp_avg", "momentum_buffer") moved
+    from format `source` to `target` (a dtype name, or a low-bit format: "8bit", "4bit",
+    "fp8"), and changed by it.
+
+    Attributes:
+        what: the kind of values.
+        source: their format before the switch.
+        target: their format after it.
+        tensors: how many tensors changed.
+        numel: their elements.
+        change: the largest change of one tensor, relative to its largest magnitude
+            (`max|new - old| / max|old|`).
+    """
+
+    what: str
+    source: str
+    target: str
+    tensors: int
+    numel: int
+    change: float
+
+    def __str__(self) -> str:
+        return (f"{self.what} {self.source} -> {self.target} ({self.tensors} tensors, "
+                f"{self.numel:,} values; largest relative change {self.change:.3g})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """One switch of a `Schedule`, at the start of step `step`.
+
+    Attributes:
+        step: the first step of the new phase.
+        phase: the new phase's index in `phases`.
+        spec: the new phase's plan or spec, as text ("<plan>" for a `PrecisionPlan`).
+        previous: the phase before, as text.
+        narrowed: what the switch lost, kind by kind (empty when every value held its
+            bits: a master kept or written into a wider weight, a state widened).
+    """
+
+    step: int
+    phase: int
+    spec: str
+    previous: str
+    narrowed: tuple[Narrowing, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"step {self.step}: phase {self.phase} ({self.previous} -> {self.spec})"
+        if self.narrowed:
+            text += "; narrowed " + "; ".join(map(str, self.narrowed))
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase, "spec": self.spec,
+                "previous": self.previous, "narrowed": [n.to_dict() for n in self.narrowed]}
+
+
+_LOG = "_precision_annot_switches"
+
+
+def switches_of(model: nn.Module) -> list[Switch]:
+    """Every switch a schedule made on `model` so far, in order (`watch` and `audit` read it).
+    """
+    log: list[Switch] = model.__dict__.get(_LOG, [])
+    return log
+
+
+def _text(spec: Phase) -> str:
+    return "<plan>" if isinstance(spec, PrecisionPlan) else str(spec)
+
+
+#: per (parameter, kind): the tensor holding its values and their format, before or after a
+#: switch (aliases: a cast leaves the tensor it replaced as it was)
+_Truths = dict[tuple[int, str], tuple[torch.Tensor, str, torch.Tensor]]
+
+
+def _fmt(t: torch.Tensor) -> str:
+    return formats.low_bit_of(t) or dtype_name(t.dtype)
+
+
+def _truths(params: Sequence[torch.Tensor], optimizers: list[Any]) -> _Truths:
+    """Each parameter's truth (its master where an optimizer holds one, else itself) and each
+    of its optimizer states shaped like it."""
+    out: _Truths = {}
+    for p in params:
+        master: torch.Tensor | None = None
+        for opt in optimizers:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            held = state.get("master")
+            if isinstance(held, torch.Tensor):
+                master = held
+            for key, value in state.items():
+                if formats.is_moment(key, value, p):
+                    out[(id(p), str(key))] = (value, _fmt(value), p)
+        # a master not made yet starts from the value kept for it (the widest copy)
+        truth = master if master is not None else guard.wide_of(p)
+        truth = truth if truth is not None else p.detach()
+        out[(id(p), "weight")] = (truth, _fmt(truth), p)
+    return out
+
+
+def _change(old: torch.Tensor, new: torch.Tensor, like: torch.Tensor) -> float:
+    with torch.no_grad():
+        a = formats.to_format(old, torch.float64, like)
+        b = formats.to_format(new, torch.float64, like)
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        diff = float((a - b).abs().max()) if a.numel() else 0.0
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def _narrowed(before: _Truths, after: _Truths) -> tuple[Narrowing, ...]:
+    """What changed in value between the two (a format that cannot hold the old values)."""
+    kinds: dict[tuple[str, str, str], list[float]] = {}
+    numel: dict[tuple[str, str, str], int] = {}
+    for key, (old, source, like) in before.items():
+        held = after.get(key)
+        if held is None or (held[1] == source and held[0] is old):
+            continue
+        change = _change(old, held[0], like)
+        if change == 0.0:
+            continue
+        kind = (key[1], source, held[1])
+        kinds.setdefault(kind, []).append(change)
+        numel[kind] = numel.get(kind, 0) + old.numel()
+    return tuple(Narrowing(what, source, target, len(changes), numel[(what, source, target)],
+                           max(changes))
+                 for (what, source, target), changes in sorted(kinds.items()))
 
 
 def _check_spec(key: object, value: object) -> None:
@@ -117,16 +260,30 @@ class Schedule:
     Attributes:
         phases: the phases in order, as (first step, plan or spec) pairs.
         step_count: the optimizer steps taken so far (the next step's index).
+        history: each switch made so far (a `Switch`: its step, phases and what it narrowed).
     """
 
     def __init__(self, model: nn.Module, phases: list[tuple[int, Phase]],
-                 optimizer: Optimizer | None) -> None:
+                 optimizer: Optimizer | None, *, step: int = 0) -> None:
         self.model = model
         self.phases = phases
         self.optimizer = optimizer
-        self.step_count = 0
+        self.step_count = step  # a resumed run's: its phase is the first applied, alone
+        self.history: list[Switch] = []
         self._applied: int | None = None
+        self._attached: list[weakref.ref[Any]] = []
+        self._narrowed_load: list[Narrowed] = []
         self._switch()
+        self._attach()
+        ref = weakref.ref(self)
+        DEFER_NARROWED[model] = lambda found: (s := ref()) is not None and s._defer(found)
+
+    def _defer(self, found: list[Narrowed]) -> bool:
+        """The model's weights were loaded narrower than the phase now keeps them: a
+        checkpoint of another phase, whose optimizer state (loaded next, in a trainer's order)
+        holds the phase and its masters. Said at the next step if no such state came."""
+        self._narrowed_load = list(found)
+        return True
 
     @property
     def phase(self) -> int:
@@ -147,6 +304,12 @@ class Schedule:
         """Count one optimizer step (call it after `optimizer.step()`); where the next step
         starts a new phase, apply it. Returns whether it switched."""
         self.step_count += 1
+        if not self._attached:
+            self._attach()  # an optimizer a trainer built after the schedule
+        if self._narrowed_load:
+            found, self._narrowed_load = self._narrowed_load, []
+            warn_narrowed("load_state_dict (said at the step after it: no optimizer state of "
+                          "a scheduled phase was loaded since)", found, stacklevel=2)
         return self._switch()
 
     def seek(self, step: int) -> bool:
@@ -157,24 +320,65 @@ class Schedule:
         self.step_count = step
         return self._switch()
 
+    def _optimizers(self) -> list[Any]:
+        """The `precision_annot.optimizer`s stepping the model's parameters."""
+        found = guard.optimizers_of(list(self.model.parameters()))
+        if self.optimizer is not None and self.optimizer not in found:
+            found.insert(0, self.optimizer)
+        return found
+
+    def _attach(self) -> None:
+        """Each optimizer of the model saves the phase in its `state_dict()` and, loaded,
+        goes to it first (see `PlanOptimizer.load_state_dict`)."""
+        for opt in self._optimizers():
+            opt.__dict__["_precision_annot_schedule"] = weakref.ref(self)
+            self._attached.append(weakref.ref(opt))
+
     def _switch(self) -> bool:
         phase = self.phase
         if phase == self._applied:
             return False
-        for param in self.model.parameters():  # stale in the old dtype, as zero_grad drops them
+        params = list(self.model.parameters())
+        for param in params:  # stale in the old dtype, as zero_grad drops them
             param.grad = None
+        previous = self._applied
+        before = None if previous is None else _truths(params, self._optimizers())
         spec = self.phases[phase][1]
         if isinstance(spec, PrecisionPlan):
             apply(self.model, spec)
         else:
             apply(self.model, default=spec)
         self._applied = phase
+        if before is None or previous is None:
+            return True
+        params = list(self.model.parameters())
+        record = Switch(self.step_count, phase, _text(spec), _text(self.phases[previous][1]),
+                        _narrowed(before, _truths(params, self._optimizers())))
+        self.history.append(record)
+        self.model.__dict__.setdefault(_LOG, []).append(record)
+        if record.narrowed:
+            warnings.warn(
+                f"schedule: the switch at step {record.step} to phase {phase} ({record.spec}) "
+                f"narrowed values the phase before held: {'; '.join(map(str, record.narrowed))}."
+                " Planned so: nothing to do; a phase that keeps them (a master, a wider "
+                "optimizer state) would not.", UserWarning, stacklevel=3)
         return True
+
+    def memory(self, optimizer: Any = "adamw", **hyperparameters: Any
+               ) -> list[tuple[int, MemoryReport]]:
+        """The bytes training holds in each phase (`PrecisionPlan.memory` of its plan), as
+        (first step, report) pairs."""
+        out = []
+        for start, spec in self.phases:
+            plan = spec if isinstance(spec, PrecisionPlan) else resolve(self.model, default=spec)
+            out.append((start, plan.memory(optimizer, **hyperparameters)))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """The step count and the phase it is in, for a checkpoint."""
         return {"step": self.step_count, "phase": self.phase,
-                "phase_start": self.phases[self.phase][0]}
+                "phase_start": self.phases[self.phase][0],
+                "phases": [[start, _text(spec)] for start, spec in self.phases]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Go on from a checkpoint's step, in its phase (applied now). Load it before the
@@ -186,6 +390,7 @@ class Schedule:
                 "Schedule.load_state_dict: state_dict must be what Schedule.state_dict() "
                 f"returned, with an int 'step' >= 0. Received: state_dict={state_dict!r}")
         self.step_count = step
+        self._narrowed_load = []  # the checkpoint's own phase: its masters are loaded with it
         saved = (state_dict.get("phase"), state_dict.get("phase_start"))
         if saved != (self.phase, self.phases[self.phase][0]):
             raise ValueError(

@@ -35,6 +35,7 @@ from precision_annot._src.guards import require_module
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.recording import Inputs, Recorder, Returned, dtensors
 from precision_annot._src.runtime import plan_of
+from precision_annot._src.schedule import Switch, switches_of
 from precision_annot._src.tables import format_table
 from precision_annot._src.wrappers import compiled, unwrap
 
@@ -566,6 +567,10 @@ class watch:
 
     Attributes:
         history: every `WatchRecord` so far (this rank's, and the reduced ones).
+        switches: each switch of a `precision_annot.schedule` seen so far (a `Switch`: its
+            step, phases and what it narrowed); each is also a line of `path`, and the plan
+            of the new phase names the modules from the next step on. Call `step()` after
+            the schedule's, so that a step runs with the hooks of its own phase.
         sampling: whether the step now running is measured.
 
     Example:
@@ -601,6 +606,8 @@ class watch:
         self.reduce = reduce
         self.warn = warn
         self.history: list[WatchRecord] = []
+        self.switches: list[Switch] = []
+        self._switches_seen = len(switches_of(self.model))
         self.index = start
         self._skips = None if scaler is None else _Skips(scaler)
         self._said: set[tuple[str, str, bool]] = set()
@@ -645,9 +652,27 @@ class watch:
                 raise RuntimeError(_COMPILED)
             record = self._record(current)
         self.index += 1
+        self._follow_switches()
         if self.index % self.every == 0:
             self._current = _Step(self.named)
         return record
+
+    def _follow_switches(self) -> None:
+        """A schedule switched the plan since the last step: kept, written, and the new
+        phase's plan (and modules: an fp8 phase converts its Linear layers) followed."""
+        made = switches_of(self.model)
+        if len(made) <= self._switches_seen:
+            return
+        for switch in made[self._switches_seen:]:
+            self.switches.append(switch)
+            if self._file is not None and (not (dist.is_available() and dist.is_initialized())
+                                           or dist.get_rank() == 0):
+                self._file.write(json.dumps({"step": switch.step, "switch": switch.to_dict()})
+                                 + "\n")
+                self._file.flush()
+        self._switches_seen = len(made)
+        self.plan = plan_of(self.model, where="watch")
+        self.named = dict(self.model.named_modules())
 
     def _record(self, current: _Step) -> WatchRecord:
         outputs, first = _merged(current.outputs)
@@ -814,9 +839,11 @@ class watch:
         return (r for r in self.history if rank is None or r.rank == rank)
 
 
-def _read(path: str | Path) -> list[dict[str, Any]]:
+def _read(path: str | Path, switches: list[dict[str, Any]] | None = None
+          ) -> list[dict[str, Any]]:
     """The records of a JSON-lines file `watch` wrote, checked. A last line cut short (a run
-    stopped while writing it: watch ends each line it writes) is left out, and said."""
+    stopped while writing it: watch ends each line it writes) is left out, and said. The
+    lines of a schedule's switches go into `switches` where given."""
     text = Path(path).read_text()
     lines = text.splitlines()
     records = []
@@ -832,6 +859,10 @@ def _read(path: str | Path) -> list[dict[str, Any]]:
                               UserWarning, stacklevel=3)
                 break
             raise ValueError(f"line {n} is not JSON ({e})") from e
+        if isinstance(record, dict) and isinstance(record.get("switch"), dict):
+            if switches is not None:
+                switches.append(record["switch"])
+            continue  # a schedule's switch (see `watch.switches`)
         if not isinstance(record, dict) or not {"step", "rank", "outputs", "grads"} <= set(
                 record):
             raise ValueError(f"line {n} is not a record watch wrote (a JSON object with step, "
@@ -882,7 +913,8 @@ def report(path: str | Path, top: int = 10) -> str:
     tensor's worst step (values not finite first, then the largest margin)."""
     worst: dict[tuple[str, str], tuple[tuple[bool, float], int, dict[str, Any]]] = {}
     fp8: dict[tuple[str, str], tuple[float, int, float]] = {}
-    records = _read(path)
+    switches: list[dict[str, Any]] = []
+    records = _read(path, switches)
     for record in records:
         _worst_fp8(fp8, record)  # each rank's own (fp8 statistics are not reduced)
     steps: set[int] = set()
@@ -902,7 +934,24 @@ def report(path: str | Path, top: int = 10) -> str:
         rows.append((module or "(root)", kind, stats["dtype"], f"{stats['margin']:.2%}",
                      str(step), str(stats["nonfinite"])))
     return "\n".join([f"{len(steps)} sampled steps in {path}; the closest to their limits:",
-                      *format_table(rows, right={3, 4, 5}), *_fp8_table(fp8, top)])
+                      *format_table(rows, right={3, 4, 5}), *_fp8_table(fp8, top),
+                      *_switch_lines(switches)])
+
+
+def _switch_lines(switches: list[dict[str, Any]]) -> list[str]:
+    """The schedule's switches a file holds, one line each, with what each narrowed."""
+    if not switches:
+        return []
+    lines = ["", "precision schedule switches:"]
+    for s in switches:
+        line = f"  step {s['step']}: phase {s['phase']} ({s['previous']} -> {s['spec']})"
+        narrowed = s.get("narrowed") or []
+        if narrowed:
+            line += "; narrowed " + "; ".join(
+                f"{n['what']} {n['source']} -> {n['target']} (largest relative change "
+                f"{n['change']:.3g})" for n in narrowed)
+        lines.append(line)
+    return lines
 
 
 def _series(path: str | Path) -> dict[str, list[tuple[int, float]]]:

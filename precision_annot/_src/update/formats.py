@@ -19,8 +19,8 @@ from precision_annot._src.dtypes import STOCHASTIC
 from precision_annot._src.float8 import import_torchao, install_hint
 
 __all__ = ["UNSIGNED", "is_moment", "low_bit_bytes", "low_bit_of", "nbytes", "new_low_bit",
-           "portable", "quantized", "rebuilt", "require_torchao", "to_format", "torchao_module",
-           "torchao_use"]
+           "portable", "quantized", "rebuilt", "require_torchao", "settle_low_bit", "to_format",
+           "torchao_module", "torchao_use"]
 
 #: torchao's optimizer class (whose buffer factory makes the state) and block size per format
 _TORCHAO: dict[str, tuple[str, int]] = {"8bit": ("AdamW8bit", 256), "4bit": ("AdamW4bit", 128),
@@ -164,6 +164,22 @@ def to_format(value: torch.Tensor, fmt: torch.dtype | str, like: torch.Tensor, *
     with torch.no_grad():
         out.copy_(source if low_bit_of(out) is not None else source.to(out.dtype))
     return out
+
+
+def settle_low_bit(state: dict[str, Any], target: torch.Tensor, fmt: str) -> None:
+    """The moments `state` holds for `target` (what the step updates: the master, else the
+    parameter) in the low-bit format `fmt`, as torchao's update keeps them: quantized where
+    torchao quantizes a tensor of that size, else in `target`'s dtype. A moment not made yet
+    stays so (the update makes it)."""
+    kept = quantized(fmt, target)
+    for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        value = state.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if kept and low_bit_of(value) != fmt:
+            state[name] = to_format(value, fmt, target, signed=name not in UNSIGNED)
+        elif not kept and (low_bit_of(value) or value.dtype != target.dtype):
+            state[name] = to_format(value, target.dtype, target)
 
 
 def nbytes(t: torch.Tensor) -> int:

@@ -130,6 +130,13 @@ def follow(optimizer: Any) -> None:
     _FOLLOWED.add(optimizer)
 
 
+def optimizers_of(params: list[torch.Tensor]) -> list[Any]:
+    """The optimizers `precision_annot.optimizer` built that step any of `params`."""
+    ids = {id(p) for p in params}
+    return [opt for opt in list(_FOLLOWED)
+            if any(id(p) in ids for g in opt.param_groups for p in g["params"])]
+
+
 def _tell(params: list[torch.Tensor]) -> None:
     ids = {id(p) for p in params}
     for optimizer in list(_FOLLOWED):

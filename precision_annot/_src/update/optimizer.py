@@ -41,7 +41,11 @@ __all__ = ["PlanOptimizer", "optimizer", "planned_class", "state_bytes"]
 
 #: attributes a copy or a pickle leaves out: hooks (as torch does), and what a step rebuilds
 _TRANSIENT = ("_optimizer_", "_precision_annot_layout", "_precision_annot_presented",
-              "_precision_annot_loading", "_precision_annot_items", "_precision_annot_cache")
+              "_precision_annot_loading", "_precision_annot_items", "_precision_annot_cache",
+              "_precision_annot_schedule")
+#: the key of `state_dict()` holding the phase of the `precision_annot.schedule` that
+#: changes the plan of the optimizer's parameters (its `Schedule.state_dict()`)
+SCHEDULE_KEY = "precision_annot_schedule"
 
 
 class PlanOptimizer(Optimizer):
@@ -156,7 +160,34 @@ class PlanOptimizer(Optimizer):
                 index += 1
         out = {**saved, "state": formats.portable(saved["state"])}
         _hand_out(self, out["state"])
+        sched = self._precision_annot_scheduled()
+        if sched is not None:
+            out[SCHEDULE_KEY] = sched.state_dict()
         return out
+
+    def _precision_annot_scheduled(self) -> Any:
+        """The `precision_annot.schedule` changing the plan of this optimizer's parameters."""
+        ref = self.__dict__.get("_precision_annot_schedule")
+        return ref() if ref is not None else None
+
+    def _precision_annot_phase(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint saved under a schedule: its phase applied first (the model's plan, so
+        that the state loads into the layout it was saved in); the state dict without it."""
+        saved = state_dict.get(SCHEDULE_KEY) if isinstance(state_dict, dict) else None
+        if saved is None:
+            return state_dict
+        sched = self._precision_annot_scheduled()
+        if sched is None:
+            warnings.warn(
+                f"{type(self).__name__}.load_state_dict: the checkpoint was saved at step "
+                f"{saved.get('step')!r} in phase {saved.get('phase')!r} of a "
+                f"precision_annot.schedule (phases {saved.get('phases')!r}), and no schedule "
+                "follows this optimizer: its state loads into the plan applied now. Build the "
+                "schedule (with this optimizer) before loading to resume in that phase.",
+                UserWarning, stacklevel=3)
+        else:
+            sched.load_state_dict(saved)
+        return {k: v for k, v in state_dict.items() if k != SCHEDULE_KEY}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's `load_state_dict`, keeping each state in the format its rule plans (torch's
@@ -190,6 +221,7 @@ class PlanOptimizer(Optimizer):
 
         capture(self, state_dict)  # refused before anything changes
         captured.clear()
+        state_dict = self._precision_annot_phase(state_dict)
         state_dict, kept = _unwritten(self, state_dict)
         pre = self.register_load_state_dict_pre_hook(capture)  # after the user's pre-hooks
         post = self.register_load_state_dict_post_hook(rebuild, prepend=True)

@@ -472,8 +472,8 @@ def settle(optimizer: Any, items: Sequence[Item]) -> None:
     """Each state into the layout its rule says now, where it was built under another (an
     optimizer built before `apply`, a plan applied since with another update half): a master
     no longer planned written back into its parameter (the master is the truth) and dropped, a
-    master of another dtype cast, a moment kept in another format converted. Low-bit moments
-    are settled by torchao's update itself."""
+    master of another dtype cast, a moment kept in another format converted (into a low-bit
+    format as torchao's update keeps it)."""
     for item in items:
         state = optimizer.state.get(item.param)
         if not state:
@@ -486,7 +486,10 @@ def settle(optimizer: Any, items: Sequence[Item]) -> None:
             if master.dtype != rule.master:
                 state["master"] = master = master.to(rule.master)
             write_back(p, master, rule)  # (`apply` cast the weight from its old dtype)
-        if rule.low_bit:
+        if rule.low_bit:  # as torchao's update keeps them, now (a switch names what it lost)
+            held = state.get("master")
+            formats.settle_low_bit(state, held if isinstance(held, torch.Tensor) else p,
+                                   rule.state)  # type: ignore[arg-type]
             continue
         for key, value in state.items():
             if formats.is_moment(key, value, p) and (formats.low_bit_of(value) or (
