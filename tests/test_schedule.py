@@ -312,7 +312,8 @@ def test_a_switch_that_keeps_every_bit_says_nothing(phases: dict[int | float, An
 
 
 @pytest.mark.parametrize("phases", [{0: "bf16-master", 6: "32-true"},
-                                    {0: "32-true", 4: "bf16-master"}])
+                                    {0: "32-true", 4: "bf16-master"},
+                                    {0: "bf16-true", 6: "32-true"}])
 @pytest.mark.parametrize("at", [3, 8])
 def test_the_optimizers_checkpoint_holds_the_phase_and_a_load_resumes_in_it(
         phases: dict[int | float, Any], at: int) -> None:
@@ -565,3 +566,16 @@ def test_a_switch_into_and_out_of_fp8_equals_torchaos_conversion_by_hand(
     assert losses == hand_losses
     _equal(model, hand)
     assert [s.narrowed for s in sched.history] == [()]
+
+
+def test_a_state_given_back_before_any_step_is_not_a_run_going_on() -> None:
+    """An optimizer's own `state_dict()` loaded back before its first step (Accelerate's
+    wrapper does so) holds step 0 and zero moments: the first phase's masters are still made
+    from the weights as stored, as in the run without it."""
+    _, losses, _, _ = _scheduled({0: "bf16-master", 6: "32-true"})
+    model = _model()
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    opt.load_state_dict(opt.state_dict())
+    sched = pa.schedule(model, {0: "bf16-master", 6: "32-true"}, optimizer=opt,
+                        total_steps=STEPS)
+    assert _run(model, opt, sched, STEPS) == losses

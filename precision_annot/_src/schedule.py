@@ -31,7 +31,8 @@ from precision_annot._src.runtime import DEFER_NARROWED, apply
 from precision_annot._src.update import formats, guard
 from precision_annot._src.update.optimizer import PlanOptimizer
 
-__all__ = ["Narrowing", "Schedule", "Switch", "schedule", "switches_of"]
+__all__ = ["Narrowing", "Schedule", "Switch", "phases_of", "schedule", "switches_of",
+           "unwrapped_optimizer"]
 
 Phase = PrecisionPlan | SpecLike
 
@@ -215,7 +216,7 @@ def _step_of(key: object, total_steps: int | None) -> int:
     return round(key * total_steps)
 
 
-def _phases(phases: object, total_steps: int | None) -> list[tuple[int, Phase]]:
+def phases_of(phases: object, total_steps: int | None) -> list[tuple[int, Phase]]:
     if not isinstance(phases, Mapping) or not phases:
         raise ValueError(
             "schedule: phases must be a non-empty dict from a step (int) or a fraction of "
@@ -243,7 +244,7 @@ def _phases(phases: object, total_steps: int | None) -> list[tuple[int, Phase]]:
     return [(step, by_step[step][1]) for step in sorted(by_step)]
 
 
-def _unwrapped(optimizer: Any) -> Any:
+def unwrapped_optimizer(optimizer: Any) -> Any:
     """The optimizer a trainer's wrapper holds (Accelerate's `AcceleratedOptimizer`,
     Lightning's `LightningOptimizer`: each keeps it as `.optimizer`), or `optimizer`."""
     for _ in range(8):
@@ -273,6 +274,7 @@ class Schedule:
         self._applied: int | None = None
         self._attached: list[weakref.ref[Any]] = []
         self._narrowed_load: list[Narrowed] = []
+        guard.schedule_keeps(model.parameters())
         self._switch()
         self._attach()
         ref = weakref.ref(self)
@@ -306,6 +308,7 @@ class Schedule:
         self.step_count += 1
         if not self._attached:
             self._attach()  # an optimizer a trainer built after the schedule
+        guard.release_wide(self.model.parameters())
         if self._narrowed_load:
             found, self._narrowed_load = self._narrowed_load, []
             warn_narrowed("load_state_dict (said at the step after it: no optimizer state of "
@@ -334,7 +337,7 @@ class Schedule:
             opt.__dict__["_precision_annot_schedule"] = weakref.ref(self)
             self._attached.append(weakref.ref(opt))
 
-    def _switch(self) -> bool:
+    def _switch(self, *, measure: bool = True) -> bool:
         phase = self.phase
         if phase == self._applied:
             return False
@@ -342,14 +345,18 @@ class Schedule:
         for param in params:  # stale in the old dtype, as zero_grad drops them
             param.grad = None
         previous = self._applied
-        before = None if previous is None else _truths(params, self._optimizers())
+        before = None if previous is None or not measure else _truths(params,
+                                                                     self._optimizers())
         spec = self.phases[phase][1]
-        if isinstance(spec, PrecisionPlan):
-            apply(self.model, spec)
-        else:
-            apply(self.model, default=spec)
+        with warnings.catch_warnings():  # planned: a weight held narrower, then wider (and
+            # what the switch loses is said below, measured)
+            warnings.filterwarnings("ignore", message=r".*stored narrower than before the first")
+            if isinstance(spec, PrecisionPlan):
+                apply(self.model, spec)
+            else:
+                apply(self.model, default=spec)
         self._applied = phase
-        if before is None or previous is None:
+        if before is None or previous is None or not measure:
             return True
         params = list(self.model.parameters())
         record = Switch(self.step_count, phase, _text(spec), _text(self.phases[previous][1]),
@@ -399,9 +406,8 @@ class Schedule:
                 f"{step} in phase {self.phase} (from step {self.phases[self.phase][0]}): "
                 "build the schedule with the phases the run was saved under. Received: "
                 f"state_dict={dict(state_dict)!r}")
-        with warnings.catch_warnings():  # the model's own state is loaded next, in this phase
-            warnings.filterwarnings("ignore", message=r".*stored narrower than before the first")
-            self.seek(step)
+        self.step_count = step
+        self._switch(measure=False)  # not a switch of the run: its state is loaded next
 
     def __repr__(self) -> str:
         phases = ", ".join(f"{start}: {spec!s}" if not isinstance(spec, PrecisionPlan)
@@ -443,7 +449,7 @@ def schedule(model: nn.Module, phases: Mapping[int | float, Phase], *,
         ([False, True, False, False], torch.float32)
     """
     require_module(model, "schedule")
-    optimizer = _unwrapped(optimizer)
+    optimizer = unwrapped_optimizer(optimizer)
     if optimizer is not None and not isinstance(optimizer, PlanOptimizer):
         raise ValueError(
             "schedule: optimizer must be one precision_annot.optimizer built (it follows each "
@@ -451,4 +457,4 @@ def schedule(model: nn.Module, phases: Mapping[int | float, Phase], *,
             "state in the dtypes of the phase before. Build it with "
             "precision_annot.optimizer(model, torch.optim.AdamW, lr=...). Received: "
             f"optimizer of type {type(optimizer).__name__}")
-    return Schedule(model, _phases(phases, total_steps), optimizer)
+    return Schedule(model, phases_of(phases, total_steps), optimizer)

@@ -246,6 +246,9 @@ def _load_wide(param: torch.Tensor, value: torch.Tensor) -> None:
     for the master its plan keeps; one that is the kept value rounded (the weights loaded back
     unchanged) leaves it; any other value drops it."""
     dtype = _master_dtype(param)
+    if dtype is None and param in _SCHEDULED and value.is_floating_point() and wider(
+            value.dtype, param.dtype):
+        dtype = value.dtype  # a later phase may store it wider: see `schedule_keeps`
     kept: _Wide | None = _WIDE.get(param)  # type: ignore[no-untyped-call]
     usable = value.is_floating_point() and value.shape == param.shape
     if kept is not None and usable and wider(kept.value.dtype, value.dtype) and torch.equal(
@@ -255,6 +258,39 @@ def _load_wide(param: torch.Tensor, value: torch.Tensor) -> None:
     if dtype is not None and usable and value.dtype != param.dtype and not wider(
             param.dtype, value.dtype):
         _keep_wide(param, value, dtype, copy=True)
+
+
+def _stepped(state: Any) -> bool:
+    """Whether an optimizer's state for a parameter comes from a step: a step count above 0
+    (a state its own `state_dict()` gave back before any step, as Accelerate's wrapper loads
+    it, holds step 0 and zero moments), or, for a class without one, any state."""
+    if not state:
+        return False
+    step = state.get("step")
+    if step is None:
+        return True
+    return bool(float(step) > 0) if isinstance(step, (torch.Tensor, int, float)) else True
+
+
+#: the parameters a `precision_annot.schedule` drives: a load of values wider than one is
+#: stored keeps them (as for a master) until the schedule's next step, so that the optimizer's
+#: checkpoint, loaded after the weights as trainers load it, can go to a phase that stores
+#: them wider (bf16 weights, then fp32) without the rounding of the phase the load met
+_SCHEDULED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def schedule_keeps(params: Iterable[torch.Tensor]) -> None:
+    """A schedule drives these parameters (see `_SCHEDULED`)."""
+    for p in params:
+        _SCHEDULED[p] = True
+
+
+def release_wide(params: Iterable[torch.Tensor]) -> None:
+    """The schedule stepped: the values a load kept for a parameter whose plan keeps no
+    master are stale (the step wrote it), and let go."""
+    for p in params:
+        if p in _WIDE and _master_dtype(p) is None:
+            _WIDE.pop(p, None)  # type: ignore[no-untyped-call]
 
 
 def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
@@ -269,7 +305,7 @@ def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
     for param, value, stored in params:
         if (id(param) not in said or not wider(value.dtype, stored) or param in _WIDE
                 or _held_master(param)
-                or not any(opt.state.get(param) for opt in list(_FOLLOWED))):
+                or not any(_stepped(opt.state.get(param)) for opt in list(_FOLLOWED))):
             continue
         dtype = rule_for(said[id(param)].fields, stored).master
         if dtype is not None:

@@ -11,6 +11,8 @@ device (Lightning issue 17727), run `training_step` under the root's autocast st
 - `FabricAnnotatedPrecision` (`fabric.py`): the Fabric plugin.
 - `AnnotatedFSDPPrecision` (`fsdp.py`): the Trainer plugin for `FSDPStrategy` (FSDP1).
 - `WatchCallback` (`watching.py`): `precision_annot.watch`, logged through the Trainer's loggers.
+- `ScheduleCallback` (`scheduling.py`): `precision_annot.schedule`, the plan changed at chosen
+  optimizer steps, resumed in the saved phase.
 """
 
 try:
@@ -24,8 +26,9 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
 from precision_annot.adapters.lightning.deepspeed import AnnotatedDeepSpeedPrecision
 from precision_annot.adapters.lightning.fabric import FabricAnnotatedPrecision
 from precision_annot.adapters.lightning.fsdp import AnnotatedFSDPPrecision
+from precision_annot.adapters.lightning.scheduling import ScheduleCallback
 from precision_annot.adapters.lightning.trainer import AnnotatedPrecision
 from precision_annot.adapters.lightning.watching import WatchCallback
 
 __all__ = ["AnnotatedDeepSpeedPrecision", "AnnotatedFSDPPrecision", "AnnotatedPrecision",
-           "FabricAnnotatedPrecision", "WatchCallback"]
+           "FabricAnnotatedPrecision", "ScheduleCallback", "WatchCallback"]

@@ -68,14 +68,26 @@ class PlanPrecision:
         self.plan: PrecisionPlan | None = plan
         self.scaler = None
         self.precision = "32-true"  # Lightning reads this string; set from the plan's root
+        self.scheduled = False  # set by a ScheduleCallback: it applies each phase, this follows
 
     def plan_for(self, module: nn.Module) -> PrecisionPlan:
         return self.given_plan or plan_of(module, self.default, where=type(self).__name__)
 
     def apply_plan(self, module: nn.Module) -> nn.Module:
-        """Apply the plan, pick the device, make a scaler for fp16, name the precision."""
+        """Apply the plan, pick the device, make a scaler for fp16, name the precision. Under a
+        `ScheduleCallback` nothing is applied here: the callback applies the phase the run
+        starts in once the optimizer exists (and a resumed run's weights have loaded), and the
+        plugin follows each phase it applies."""
+        if self.scheduled:
+            return module
         plan = self.plan_for(module)
         apply(module, plan)
+        self.follow(plan, module)
+        return module
+
+    def follow(self, plan: PrecisionPlan, module: nn.Module) -> None:
+        """Run `plan`, applied to `module`: the batch cast, autocast, a GradScaler for fp16 and
+        the precision string follow its root."""
         self.adopt(plan, module)
         if plan.needs_loss_scaling and self.scaler is None:
             self.scaler = GradScaler(device=self.device)
@@ -83,7 +95,6 @@ class PlanPrecision:
         self.precision = (preset_name(root.compute, root.storage)  # e.g. "bf16-mixed"
                           or preset_name(root.compute, fp32 if root.storage else None)
                           or "32-true")
-        return module
 
     def adopt(self, plan: PrecisionPlan, module: nn.Module) -> None:
         """Remember the plan, and take the device type from the module's parameters."""
