@@ -27,6 +27,11 @@ goes through transformers' own conversions, as `from_pretrained` reads it (ViT's
 `encoder.layer.0` is the model's `layers.0`; per-expert weights fuse into one tensor, whose
 shape is then not compared).
 
+A checkpoint saved under a `precision_annot.schedule` holds the schedule's step and phase (with
+the optimizer's state; `phases` finds it): one info says them (`phase_findings`), and, given the
+model, whether the plan checked is that phase's. A folder of a model's weights is read with the
+optimizer's state beside it (the Hugging Face Trainer's `optimizer.pt`): its phase and masters.
+
 A PEFT adapter (a folder with `adapter_config.json`) is read as what it is, adapter weights for
 `PeftModel.from_pretrained`: the base model's tensors it holds (`modules_to_save`) are compared
 as above, its own weights where the plan's model holds them (a `PeftModel`), else named by the
@@ -38,20 +43,28 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from precision_annot._src.check_backend import CheckBackend, Checked
-from precision_annot._src.checkpoints.reading import Saved, adapter_config, saved_tensors
+from precision_annot._src.checkpoints.phases import SavedPhase, saved_phases
+from precision_annot._src.checkpoints.reading import (
+    Saved,
+    adapter_config,
+    optimizer_beside,
+    saved_tensors,
+)
 from precision_annot._src.dtypes import dtype_name, wider
 from precision_annot._src.findings import Finding, listing
 from precision_annot._src.plan import PrecisionPlan, TensorInfo, parent_name
+from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import Subject
 
 __all__ = ["CHECKS", "KEY_MAPS", "CheckpointChecks", "adapter_findings", "checkpoint_findings",
-           "loaded_keys"]
+           "loaded_keys", "phase_findings"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,6 +533,76 @@ def loaded_keys(model: object, saved: Mapping[str, Saved]
     return out, frozenset(merged)
 
 
+# -- the phase of a precision schedule -----------------------------------------------------------
+
+def phase_findings(saved: list[SavedPhase], where: str, subject: Subject) -> list[Finding]:
+    """One info per schedule state the checkpoint holds (the same state held twice, by the
+    optimizer and by Lightning's callback, is one): the step and phase it was saved in, and
+    its phases; where the model is given and the phase's spec resolves on it, whether the plan
+    checked is that phase's."""
+    held: dict[tuple[int, int, tuple[tuple[int, str], ...]], dict[str, list[str]]] = {}
+    for state in saved:
+        keys = held.setdefault((state.step, state.phase, state.phases), {})
+        keys.setdefault(state.file, []).append(state.key)
+    return [_phase(step, phase, phases, places, where, subject)
+            for (step, phase, phases), places in held.items()]
+
+
+def _phase(step: int, phase: int, phases: tuple[tuple[int, str], ...],
+           places: Mapping[str, list[str]], where: str, subject: Subject) -> Finding:
+    start, spec = phases[phase]
+    listed = ", ".join(f"{i}: {text!r} from step {first}" for i, (first, text) in
+                       enumerate(phases))
+    mapping = "{" + ", ".join(f"{first}: {text!r}" for first, text in phases) + "}"
+    other = _other_plan(subject, spec)
+    said = "" if other is None else (
+        f" The plan checked is not that phase's: {other}; the comparisons of this check are "
+        f"with the plan checked, and a run resumed under the schedule loads into phase "
+        f"{phase}'s.")
+    fix = (f"To resume in it, build precision_annot.schedule(model, {mapping}, optimizer=...) "
+           "(Lightning: ScheduleCallback; the Hugging Face Trainer: adapters.transformers."
+           "schedule_callback) before loading: the optimizer's load_state_dict goes to that "
+           "phase first.")
+    if other is not None:
+        fix += (f" To compare the checkpoint with that phase's plan, check "
+                f"resolve(model, default={spec!r}).")
+    return Finding(
+        "info", "checkpoint-phase", "",
+        f"{where} was saved at step {step} in phase {phase} of a precision schedule (from "
+        f"step {start}: {spec!r}), as {_held(places)} says; its phases: {listed}."
+        f"{said}", fix)
+
+
+def _held(places: Mapping[str, list[str]]) -> str:
+    """Where a schedule's state is held: "'optimizer.pt' under key 'x'", "'a.ckpt' under keys
+    'x' and 'y'"."""
+    return " and ".join(
+        repr(file) + ("" if keys == [""] else f" under key{'s' if len(keys) > 1 else ''} "
+                      + " and ".join(map(repr, keys))) for file, keys in places.items())
+
+
+def _other_plan(subject: Subject, spec: str) -> str | None:
+    """How the plan checked differs from the phase's (its spec resolved on the model, as the
+    schedule applies it), None where they agree or this cannot say (no model, a phase given as
+    a plan, a spec `resolve` refuses)."""
+    if subject.model is None or spec == "<plan>":
+        return None
+    try:
+        with warnings.catch_warnings():  # a default the annotations override: said by resolve
+            warnings.simplefilter("ignore")
+            phase_plan = resolve(subject.model, default=spec)
+    except ValueError:
+        return None
+    differ = [name for name, entry in subject.plan.items()
+              if name in phase_plan and entry.policy != phase_plan[name].policy]
+    if not differ:
+        return None
+    first = subject.plan[differ[0]].policy
+    return (f"{len(differ)} module(s) ({listing([n or '(root)' for n in differ])}) hold "
+            f"another policy (the first {str(first)!r}, the phase's "
+            f"{str(phase_plan[differ[0]].policy)!r})")
+
+
 class CheckpointChecks(CheckBackend):
     """`check(model_or_plan, "checkpoint", {"path": ...})`: a DCP directory, safetensors files
     (or their index), or a `torch.save` file, read without its tensor data."""
@@ -543,9 +626,15 @@ class CheckpointChecks(CheckBackend):
         where = f"The checkpoint {str(path)!r}"
         adapter = adapter_config(path)
         if adapter is not None:
-            return Checked(adapter_findings(given.plan, saved_tensors(path), adapter, where))
+            return Checked(adapter_findings(given.plan, saved_tensors(path), adapter, where)
+                           + phase_findings(saved_phases(path), where, given))
         saved, merged = loaded_keys(given.model, saved_tensors(path))
-        return Checked(checkpoint_findings(given.plan, saved, where, merged))
+        beside = optimizer_beside(path)
+        if beside is not None:  # the Hugging Face Trainer's optimizer.pt: its masters
+            saved.update({f"optimizer.{key}": value for key, value in
+                          saved_tensors(beside).items() if key.endswith(".master")})
+        return Checked(checkpoint_findings(given.plan, saved, where, merged)
+                       + phase_findings(saved_phases(path), where, given))
 
 
 CHECKS = CheckpointChecks()

@@ -15,6 +15,10 @@
   it names is a stand-in), so a Lightning checkpoint reads as a plain one and a whole pickled
   `nn.Module` as its state dict.
 
+Beside the tensors, `torch_save_record` gives a `torch.save` file's whole object (numbers and
+strings as themselves), and `dcp_objects` the small objects a DCP checkpoint saved as bytes (a
+schedule's phase, read by `phases`).
+
 Nested dictionaries are flattened with ".", as DCP flattens them: `{"model": {"fc.weight": t}}`
 reads as `"model.fc.weight"`; an object reached by several paths is read once, under the first.
 The work and memory are bounded by the size of the files read (`pickles` walks each pickle
@@ -25,6 +29,7 @@ path holds that this cannot read is a `ValueError` naming the file and what was 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -39,7 +44,9 @@ import torch
 
 from precision_annot._src.checkpoints import pickles
 
-__all__ = ["MAX_HEADER", "SAFETENSORS_BITS", "Saved", "adapter_config", "saved_tensors"]
+__all__ = ["MAX_DCP_OBJECT", "MAX_HEADER", "OPTIMIZER_FILE", "SAFETENSORS_BITS", "Saved",
+           "adapter_config", "dcp_objects", "is_dcp", "optimizer_beside", "saved_tensors",
+           "torch_save_record"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +120,26 @@ def _present(file: Path) -> bool:
     """Whether anything is at `file`, a broken or looping symlink included (read, it says why
     it cannot be)."""
     return file.is_symlink() or file.exists()
+
+
+#: the file the Hugging Face Trainer saves the optimizer's `state_dict()` in, beside the model's
+#: weights in each `checkpoint-N` folder
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def is_dcp(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a DCP checkpoint (a directory with a `.metadata` file)."""
+    return Path(path).is_dir() and _present(Path(path) / ".metadata")
+
+
+def optimizer_beside(path: str | os.PathLike[str]) -> Path | None:
+    """The optimizer's state (`OPTIMIZER_FILE`) in a folder of a model's weights (the Hugging
+    Face Trainer's `checkpoint-N`), None for a file, a DCP directory or a folder without one."""
+    where = Path(path)
+    if not where.is_dir() or is_dcp(where):
+        return None
+    file = where / OPTIMIZER_FILE
+    return file if _present(file) else None
 
 
 def _directory(where: Path, path: str | os.PathLike[str]) -> dict[str, Saved]:
@@ -221,7 +248,8 @@ class _DCPMetadata(pickle.Unpickler):
         return _StandIn if dtype is None else dtype
 
 
-def _dcp(directory: Path) -> dict[str, Saved]:
+def _dcp_metadata(directory: Path) -> tuple[_Named, Mapping[Any, Any]]:
+    """DCP's `Metadata` (a stand-in) and its entries, by flattened key."""
     file = directory / ".metadata"
     size = _size(file)
     with file.open("rb") as f:
@@ -235,6 +263,12 @@ def _dcp(directory: Path) -> dict[str, Saved]:
         raise ValueError(f"checkpoint: {str(file)!r} is not DCP metadata: it holds "
                          f"{_described(metadata)}, not torch.distributed.checkpoint's Metadata "
                          "of a state dict.")
+    return metadata, entries
+
+
+def _dcp(directory: Path) -> dict[str, Saved]:
+    file = directory / ".metadata"
+    _, entries = _dcp_metadata(directory)
     out = {}
     for key, item in entries.items():
         if _is(item, "BytesStorageMetadata"):
@@ -247,6 +281,55 @@ def _dcp(directory: Path) -> dict[str, Saved]:
                 "size) nor bytes'.")
         out[key] = saved
     return out
+
+
+#: the largest object a DCP checkpoint saved as bytes (a number, a list) that is read
+MAX_DCP_OBJECT = 1 << 20
+
+
+def dcp_objects(directory: Path, wanted: Callable[[list[str]], list[str]]) -> dict[str, Any]:
+    """The objects (not tensors) a DCP checkpoint saved as bytes, by flattened key: the keys
+    `wanted` picks of those it holds (a schedule's `step`, `phase`, ...), each read from its
+    byte range of a data file (`torch.save` bytes, read as `torch_save_record` reads a file).
+    A key whose bytes a storage extension transformed (compressed), or that are larger than
+    `MAX_DCP_OBJECT`, is left out.
+
+    Raises:
+        ValueError: naming the file, for metadata or bytes this cannot read.
+    """
+    metadata, entries = _dcp_metadata(directory)
+    keys = wanted([k for k, v in entries.items() if isinstance(k, str)
+                   and _is(v, "BytesStorageMetadata")])
+    storage = metadata.field("storage_data")
+    where: dict[str, _Named] = {}
+    for index, info in storage.items() if isinstance(storage, Mapping) else ():
+        fqn = index.field("fqn") if _is(index, "MetadataIndex") else None
+        if fqn in keys and _is(info, "_StorageInfo"):
+            where[fqn] = info
+    out = {}
+    for key, info in where.items():
+        span = _dcp_span(info)
+        if span is None:
+            continue
+        file = directory / span[0]
+        with file.open("rb") as f:
+            f.seek(span[1])
+            data = f.read(span[2])
+        if len(data) == span[2]:
+            out[key] = _zip_record(file, io.BytesIO(data), span[2])
+    return out
+
+
+def _dcp_span(info: _Named) -> tuple[str, int, int] | None:
+    """Where a `_StorageInfo` says its bytes are: (a data file in the checkpoint's directory,
+    offset, length); None for bytes an extension transformed, or longer than
+    `MAX_DCP_OBJECT`."""
+    path, offset, length = (info.field(n) for n in ("relative_path", "offset", "length"))
+    if (info.field("transform_descriptors") or not isinstance(path, str)
+            or Path(path).name != path or not isinstance(offset, int)
+            or not isinstance(length, int) or not 0 < length <= MAX_DCP_OBJECT):
+        return None
+    return path, offset, length
 
 
 def _dcp_tensor(item: object) -> Saved | None:
@@ -633,6 +716,17 @@ def _why(e: BaseException) -> str:
 
 
 def _torch_save(file: Path) -> dict[str, Saved]:
+    return _flatten(file, torch_save_record(file), KEY_CHARS_PER_BYTE * _size(file) + (1 << 20))
+
+
+def torch_save_record(file: Path) -> Any:
+    """The object a `torch.save` file holds, read from its pickle record alone: tensors as
+    stand-ins holding their `Saved`, containers, numbers and strings as themselves, any other
+    class a stand-in (no storage is read, no code of the file runs).
+
+    Raises:
+        ValueError: naming the file, for one that is not a `torch.save` file this reads.
+    """
     size = _size(file)
     with file.open("rb") as f:
         if zipfile.is_zipfile(f):
@@ -646,7 +740,7 @@ def _torch_save(file: Path) -> dict[str, Saved]:
                     "file torch.save writes (a zip file, or a pickle in its legacy format).")
             f.seek(0)
             record = _legacy_record(file, f, size)
-    return _flatten(file, record, KEY_CHARS_PER_BYTE * size + (1 << 20))
+    return record
 
 
 #: the bytes read from a zip member at a time
