@@ -21,6 +21,11 @@ outside torch's CPU scalar tail should be equal (the kernel computes that loop's
 IEEE division and square root and no contracted fma; the per-tensor bias corrections come from
 CUDA's double `pow`), and prints how many differ.
 
+Then it runs the check `precision_annot.optimizer` runs on a device's first step before it takes
+the kernel there (`update_triton.checked`: a few small tensors, the same comparison) and prints
+its verdict; where it fails, the optimizer would step through 0.5's route on this device, and
+so the Triton rows are not timed.
+
 Run: `python benchmarks/update_triton.py [--params N] [--rounds R] [--iters I]`; about a
 minute on an H100 or H200. Without a CUDA device it says so and exits (`--cpu-check` runs the
 same code on a few thousand parameters through Triton's interpreter, to check the script).
@@ -226,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.iters} steps a row")
     start = time.perf_counter()
     check_bits(device, 1_000_000 if device.type == "cuda" else 3000)
+    from precision_annot._src import update_triton
+
+    print(f"the optimizer's check on {device}: "
+          + ("the kernel agrees" if update_triton.checked(device) else
+             "failed (the warning above says what differed): the optimizer would not take it"))
     table = rows(shapes, device)
     times = measure(table, args.rounds, args.iters, Clock(device))
     report(table, times, params)

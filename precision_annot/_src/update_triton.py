@@ -53,7 +53,20 @@ two more keywords):
   (the launches keep their per-size tables themselves). Each step makes its tables of
   addresses and step sizes on the host and copies them to the device: not for CUDA graphs.
 - `available(device)`: whether `adam` / `sgd` run Triton for parameters on `device` in a
-  training run (an NVIDIA GPU, Triton importable, not interpreting): the engine's choice.
+  training run (an NVIDIA GPU, Triton importable, not interpreting, and not turned off by
+  `PRECISION_ANNOT_TRITON=0`): with `checked`, the engines' choice (`update.engines`).
+- `checked(device)`: whether the kernels computed the fused route's bits on `device`, asked
+  once per device (memoized for the process; `adam` / `sgd` ask it for each GPU they step on,
+  the engines before they call them): a canary, two Adam (AdamW) steps and two SGD
+  steps (nesterov momentum) over a few tensors of odd sizes (bf16 weights and gradients, fp32
+  masters and states), through the kernels on `device` and through `update_kernels` on CPU
+  copies (torch's fused CPU kernel: the formula the kernels compute; torch's fused CUDA kernel
+  computes another, see below), compared bit for bit outside the CPU's scalar tail and within
+  16 ulps on it. Where anything differs, or the kernel raises, it warns once, saying what
+  differed, and every later call for `device` takes the fused route.
+
+`PRECISION_ANNOT_TRITON=0` in the environment (read at each call) turns the kernels off:
+`available` says no, and `adam` / `sgd` hand every tensor on a GPU to `update_kernels`.
 
 Where the bits can differ from the fused route: on torch's CPU scalar tail (the last
 `numel % 8` elements of a tensor on AVX2, `% 16` on AVX-512) torch's compiler contracts
@@ -61,6 +74,11 @@ Where the bits can differ from the fused route: on torch's CPU scalar tail (the 
 there the moments differ by an ulp and the masters by a few after some steps (the tests bound
 it). On a GPU the per-tensor bias corrections come from CUDA's double `pow`, which may differ
 from glibc's in the last double bit, so in the fp32 step size at a rounding tie; not measured.
+torch's fused CUDA kernel, the fused route on a GPU, computes another formula by its source
+(`ATen/native/cuda/fused_adam_utils.cuh`: its first moment as `fma(beta1, m, fma(-beta1, g,
+g))`, AdamW's decay as `p - lr * wd * p`, the bias corrections in fp32, the rest contracted
+by nvcc), so it differs from these kernels, and from itself on a CPU, in last bits (how often:
+not measured): the canary compares with the CPU's.
 torchao's 8-bit states are not taken: their per-block scale and table search are a kernel of
 their own (`update_kernels.lowbit_adam` serves them).
 """
@@ -71,6 +89,7 @@ import functools
 import math
 import os
 import types
+import warnings
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -83,7 +102,7 @@ from precision_annot._src import update_kernels
 if TYPE_CHECKING:
     import triton.language as tl
 
-__all__ = ["CHUNK", "adam", "available", "sgd"]
+__all__ = ["CHUNK", "SWITCH", "adam", "available", "checked", "sgd"]
 
 #: elements one Triton program steps, by default (`BLOCK` at a time)
 CHUNK = 4096
@@ -123,19 +142,38 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: the environment variable that turns the kernels off where it says "0" (or "false", "off",
+#: "no"): the engines then take the fused route on every device
+SWITCH = "PRECISION_ANNOT_TRITON"
+
+#: tests only: `available` says yes for the CPU while Triton's interpreter runs, so that the
+#: engines take the kernels there (a training run never does: the interpreter is for tests)
+_TEST_ONLY_INTERPRETED_CPU = False
+
+
+def _switched_off() -> bool:
+    return os.environ.get(SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def available(device: torch.device) -> bool:
     """Whether `adam` / `sgd` step parameters on `device` with Triton in a training run: an
-    NVIDIA GPU where Triton imports (under Triton's interpreter, only the CPU runs it)."""
+    NVIDIA GPU where Triton imports, unless `PRECISION_ANNOT_TRITON=0` (under Triton's
+    interpreter, only the CPU runs it, and only for the tests)."""
+    if _switched_off():
+        return False
+    if device.type == "cpu":
+        return _TEST_ONLY_INTERPRETED_CPU and _interpreting() and _triton() is not None
     return (device.type == "cuda" and torch.version.hip is None and not _interpreting()
             and torch.cuda.is_available() and _triton() is not None)
 
 
 def _runs_on(device: torch.device) -> bool:
-    """Whether this process launches the kernels on `device` (the CPU only when
-    interpreting, a CUDA device only when not)."""
+    """Whether this process launches the kernels on `device`: the CPU only when interpreting
+    (for the tests; not where the canary found them wrong), a CUDA device only when not and
+    once `checked` there (its first call runs the canary)."""
     if device.type == "cpu":
-        return _interpreting() and _triton() is not None
-    return available(device)
+        return _VERDICTS.get(device) is not False and _interpreting() and _triton() is not None
+    return available(device) and checked(device)
 
 
 # --- the calls --------------------------------------------------------------------------------
@@ -268,6 +306,143 @@ def _local_of(t: Tensor) -> Tensor:
     return local() if local is not None else t
 
 
+# --- the check on a device's first step -------------------------------------------------------
+
+#: each device's verdict (`checked`): False sends every later call for it to the fused route
+_VERDICTS: dict[torch.device, bool] = {}
+#: the canary's tensors: two programs (4,096 elements and 64 more), two whole blocks and a part
+#: of one, and sizes only torch's CPU scalar tail steps (37, 1), and none
+_CANARY_SHAPES = ((4160,), (33, 64), (37,), (1,), (0,))
+_CANARY_ADAM: dict[str, Any] = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                                "weight_decay": 0.01, "decoupled": True}
+_CANARY_SGD: dict[str, Any] = {"lr": 1e-2, "momentum": 0.9, "nesterov": True,
+                               "weight_decay": 0.01}
+#: how far an element of torch's CPU scalar tail (taken here as the last `numel % 64` elements:
+#: the vector widths are 4 to 16) may be from the fused route, in ulps of the tail's largest
+#: value (tests/update/test_triton.py's bound: 11 measured at most there)
+_TAIL_ULPS = 16
+
+
+def checked(device: torch.device) -> bool:
+    """Whether the kernels step parameters on `device`, checked there once per process: the
+    first call runs the canary (see the module's docstring); where the kernels computed other
+    bits than the fused route, or raised, it warns once and answers False from then on."""
+    verdict = _VERDICTS.get(device)
+    if verdict is None:
+        _VERDICTS[device] = True  # (while the canary runs: its own calls launch the kernels)
+        try:
+            problem = _canary(device)
+        except BaseException:
+            del _VERDICTS[device]
+            raise
+        verdict = _VERDICTS[device] = problem is None
+        if problem is not None:
+            warnings.warn(_fallback(device, problem), UserWarning, stacklevel=2)
+    return verdict
+
+
+def _canary(device: torch.device) -> str | None:
+    """What differed between the kernels on `device` and the fused route on CPU copies, or
+    None where nothing did."""
+    try:
+        return _canary_adam(device) or _canary_sgd(device)
+    except Exception as e:  # (a compile or launch failure: the fused route steps instead)
+        return f"the kernel raised {type(e).__name__}: {e}"
+
+
+def _canary_tensors(device: torch.device) -> dict[str, Any]:
+    """The canary's tensors on `device`: fp32 masters and states, bf16 weights, the bf16
+    gradients of two steps (the same numbers on every device)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = _CANARY_SHAPES
+    masters = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[(torch.randn(s, generator=g) * 1e-2).bfloat16() for s in shapes]
+             for _ in range(2)]
+    states = [[torch.rand(s, generator=g) * 1e-4 for s in shapes] for _ in range(2)]
+
+    def to(tensors: list[Tensor]) -> list[Tensor]:
+        return [t.to(device, copy=True) for t in tensors]
+
+    return {"params": to(masters), "stored": to([m.bfloat16() for m in masters]),
+            "grads": [to(step) for step in grads], "exp_avgs": to(states[0]),
+            "exp_avg_sqs": to(states[1]), "buffers": [None] * len(shapes),
+            "steps": [torch.zeros((), device=device) for _ in shapes]}
+
+
+def _canary_adam(device: torch.device) -> str | None:
+    ours, ref = _canary_tensors(device), _canary_tensors(torch.device("cpu"))
+    for side, step in ((ours, adam), (ref, update_kernels.adam)):
+        for grads in side["grads"]:
+            step(side["params"], grads, side["exp_avgs"], side["exp_avg_sqs"], [],
+                 side["steps"], stored=side["stored"], **_CANARY_ADAM)
+    return _compare("AdamW", ours, ref, ("params", "stored", "exp_avgs", "exp_avg_sqs",
+                                          "steps"))
+
+
+def _canary_sgd(device: torch.device) -> str | None:
+    ours, ref = _canary_tensors(device), _canary_tensors(torch.device("cpu"))
+    for side, step in ((ours, sgd), (ref, update_kernels.sgd)):
+        for grads in side["grads"]:  # (the first makes the momentum buffers)
+            step(side["params"], grads, side["buffers"], stored=side["stored"], **_CANARY_SGD)
+    return _compare("SGD", ours, ref, ("params", "stored", "buffers"))
+
+
+def _compare(family: str, ours: dict[str, Any], ref: dict[str, Any], roles: Sequence[str]
+             ) -> str | None:
+    for role in roles:
+        for i, (a, b) in enumerate(zip(ours[role], ref[role], strict=True)):
+            why = _difference(a, b)
+            if why is not None:
+                return (f"{family}'s {role}[{i}] (shape {tuple(b.shape)}, {b.dtype}) "
+                        f"{why}")
+    return None
+
+
+def _difference(ours: Tensor, ref: Tensor) -> str | None:
+    """How `ours` differs from `ref`: bits outside torch's CPU scalar tail, more than
+    `_TAIL_ULPS` on it; None where it does not."""
+    a, b = ours.detach().to("cpu").reshape(-1), ref.detach().reshape(-1)
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        return f"came back as {a.numel()} elements of {a.dtype}"
+    n = a.numel()
+    body = n - n % _ALIGN
+    wide = torch.int16 if a.element_size() == 2 else torch.int32
+    differ = (a.view(wide) != b.view(wide)) & ~(a.isnan() & b.isnan())
+    bad = differ[:body].nonzero().reshape(-1)
+    if bad.numel():
+        k = int(bad[0])
+        return (f"differs in {bad.numel()} of its first {body} elements, the first at [{k}]: "
+                f"{a[k].item()!r} against {b[k].item()!r}")
+    if body < n:
+        gap = float((a[body:].double() - b[body:].double()).abs().max())
+        step = _ulp(b[body:].abs().max())
+        if not gap <= _TAIL_ULPS * step:
+            return (f"differs on its last {n - body} elements (torch's scalar tail) by "
+                    f"{gap / step:.3g} ulps, where at most {_TAIL_ULPS} are expected")
+    return None
+
+
+def _ulp(x: Tensor) -> float:
+    """The gap from `x` (not negative) to the next value of its dtype."""
+    a = x.reshape(1)
+    wide = torch.int16 if a.element_size() == 2 else torch.int32
+    return float((a.view(wide) + 1).view(a.dtype).double() - a.double())
+
+
+def _fallback(device: torch.device, problem: str) -> str:
+    """The warning for a device whose check failed: what differed, and how to report it."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    triton = _triton()
+    versions = (f"torch {torch.__version__}, triton {getattr(triton, '__version__', None)}"
+                + (f", CUDA {torch.version.cuda}" if torch.version.cuda else ""))
+    return (f"precision_annot: the Triton masters step failed its check on {device} ({name}; "
+            f"{versions}) against torch's fused step over the same tensors on the CPU: "
+            f"{problem}. The optimizer steps through torch's fused kernels on {device} for the "
+            f"rest of this process, as with {SWITCH}=0 (which skips this check). This is a bug "
+            f"in precision_annot's kernel, not in your run: please report this message, with "
+            f"the versions above, to precision_annot's issue tracker.")
+
+
 # --- grouping: one launch per device and dtypes -----------------------------------------------
 
 
@@ -294,10 +469,15 @@ def _split(lists: dict[str, Sequence[Any] | None], stochastic: bool
     local = _locals(lists, params)
     keys: dict[tuple[Any, ...], list[int]] = {}
     rest: list[int] = []
+    runs: dict[torch.device, bool] = {}
     for i, p in enumerate(params):
         dtypes = tuple(None if not local[r] else local[r][i].dtype for r in local
                        if r != "steps")
-        if _runs_on(p.device) and _takes(dtypes):
+        device = p.device
+        here = runs.get(device)
+        if here is None:
+            here = runs[device] = _runs_on(device)
+        if here and _takes(dtypes):
             keys.setdefault((p.device, dtypes), []).append(i)
         else:
             rest.append(i)

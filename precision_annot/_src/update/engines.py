@@ -1,12 +1,18 @@
 """The one-pass kernels `precision_annot.optimizer`'s step hands its parameters to.
 
-- `FusedAdam` (`step.KERNELS["Adam"]`, `["AdamW"]`) and `FusedSGD` (`["SGD"]`): torch's fused
-  kernels through `update_kernels.adam` / `update_kernels.sgd`, which read each gradient as
-  stored (bf16, or the fp32 accumulation), update the fp32 master and the moments, and write
-  the master rounded into the bf16 weight, a cache-sized chunk at a time: one pass over the
-  bytes, no full-size temporary. Over fp32 masters it is bit for bit torch's
-  `AdamW(fused=True)` (and `SGD(fused=True)`) stepping the masters; torch's CPU default (its
-  for-loop) differs from that in the last bit, as torch's own fused and for-loop steps do.
+- `FusedAdam` (`step.KERNELS["Adam"]`, `["AdamW"]`) and `FusedSGD` (`["SGD"]`): on an NVIDIA
+  GPU where Triton (3.9 or newer) imports, the Triton kernels of `update_triton.adam` /
+  `update_triton.sgd`, which read each gradient as stored (bf16, or the fp32 accumulation),
+  update the fp32 master and the moments, and write the master rounded into the bf16 weight
+  in one pass over many tensors; checked on each device's first step against the fused route
+  (`update_triton.checked`: where they differ, one warning and the fused route from then on)
+  and turned off by `PRECISION_ANNOT_TRITON=0`. Elsewhere (the CPU, other devices, older or no
+  Triton), torch's fused kernels through `update_kernels.adam` / `update_kernels.sgd`: the
+  gradient widened and the master rounded a cache-sized chunk at a time, no full-size
+  temporary. Over fp32 masters the fused route is bit for bit torch's `AdamW(fused=True)` (and
+  `SGD(fused=True)`) stepping the masters; torch's CPU default (its for-loop) differs from
+  that in the last bit, as torch's own fused and for-loop steps do. The Triton kernels compute
+  torch's fused CPU kernel's formula (see `update_triton` for where the bits can differ).
 - `lowbit_step`: torchao's Adam update over its low-bit states (`optim="8bit"`, `"4bit"`,
   `"fp8"`) through `update_kernels.lowbit_adam`, compiled once per layout (state format,
   flags, dtypes) for every shape, not once per parameter as torchao's own optimizers compile
@@ -20,11 +26,12 @@ says change): a step then only gathers its tensors and cuts the gradients.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from precision_annot._src import update_kernels
+from precision_annot._src import update_kernels, update_triton
 from precision_annot._src.update import formats, guard
 
 if TYPE_CHECKING:
@@ -32,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPILE", "FRESH", "FusedAdam", "FusedSGD", "fresh_master", "fresh_state", "fused_step",
            "held_master",
-           "lowbit_step", "master_of", "new_step"]
+           "lowbit_step", "master_of", "new_step", "step_functions"]
 
 #: whether the low-bit update runs compiled when the optimizer was built without saying
 #: (`compile_step=None`); the tests turn it off, but for the one test of the compiled step
@@ -90,11 +97,24 @@ def fused_step(state: dict[str, Any], target: torch.Tensor) -> torch.Tensor:
     return step
 
 
+def step_functions(params: Sequence[torch.Tensor]) -> ModuleType:
+    """The module whose `adam` / `sgd` step `params`: `update_triton` where its kernels run on
+    their (first one's) device (`update_triton.available`) and passed the check there
+    (`update_triton.checked`, run on the device's first step), else `update_kernels`.
+    `update_triton` hands what its kernels do not step to `update_kernels` itself (a
+    parameter on another device included, checked there first)."""
+    device = params[0].device if params else None
+    if device is not None and update_triton.available(device) and update_triton.checked(device):
+        return update_triton
+    return update_kernels
+
+
 class FusedAdam:
-    """The Adam/AdamW kernel of `step.KERNELS`: `update_kernels.adam` over the lists the step
-    gathers (for one group, its parameters with masters or those without), each computed in
-    the widest dtype of its tensors (the master's fp32; fp32 for a bf16 parameter with an fp32
-    gradient or state) and written back rounded where stored narrower."""
+    """The Adam/AdamW kernel of `step.KERNELS`: `adam` of `step_functions(params)` (the Triton
+    kernel on an NVIDIA GPU, else the fused route) over the lists the step gathers (for one
+    group, its parameters with masters or those without), each computed in the widest dtype
+    of its tensors (the master's fp32; fp32 for a bf16 parameter with an fp32 gradient or
+    state) and written back rounded where stored narrower."""
 
     #: takes parameters stored narrower than they compute in, and states narrower than what is
     #: updated (bf16 moments over fp32 masters, read and written rounded to nearest)
@@ -111,8 +131,8 @@ class FusedAdam:
                  ) -> None:
         beta1, beta2 = group["betas"]
         mastered = bool(masters) and masters[0] is not None
-        update_kernels.adam(
-            masters if mastered else params, grads, exp_avgs,  # type: ignore[arg-type]
+        step_functions(params).adam(
+            masters if mastered else params, grads, exp_avgs,
             exp_avg_sqs, max_exp_avg_sqs or [], steps, lr=group["lr"], beta1=beta1,
             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             decoupled=adamw, amsgrad=bool(group["amsgrad"]),
@@ -121,9 +141,10 @@ class FusedAdam:
 
 
 class FusedSGD:
-    """The SGD kernel of `step.KERNELS`: `update_kernels.sgd` over the lists the step gathers
-    (for one group, its parameters with masters or those without), its momentum buffers
-    filled in place on their first step, as torch's fused SGD does."""
+    """The SGD kernel of `step.KERNELS`: `sgd` of `step_functions(params)` (the Triton kernel
+    on an NVIDIA GPU, else the fused route) over the lists the step gathers (for one group,
+    its parameters with masters or those without), its momentum buffers filled in place on
+    their first step, as torch's fused SGD does."""
 
     mixed_dtypes = True
     cached = True
@@ -140,27 +161,27 @@ class FusedSGD:
                  "nesterov": bool(group["nesterov"]), "maximize": bool(group["maximize"]),
                  "grad_scale": grad_scale, "found_inf": found_inf}
         new = [k for k, b in enumerate(momentum_buffers) if b is None]
+        functions = step_functions(params)
         if not group["momentum"] or not new or len(new) == len(targets):
-            update_kernels.sgd(targets, grads, momentum_buffers,
-                               stored=params if mastered else None, cache=cache, **hyper)
+            functions.sgd(targets, grads, momentum_buffers,
+                          stored=params if mastered else None, cache=cache, **hyper)
             return
         # some parameters start their momentum now (unfrozen, added): torch's fused SGD
         # starts every buffer of one call at once, so those take a call of their own
         held = [k for k, b in enumerate(momentum_buffers) if b is not None]
         for index in (held, new):
-            _sgd_part(index, params, grads, targets if mastered else None, momentum_buffers,
-                      hyper)
+            _sgd_part(functions, index, params, grads, targets if mastered else None,
+                      momentum_buffers, hyper)
 
 
-def _sgd_part(index: list[int], params: list[torch.Tensor], grads: list[torch.Tensor],
-              masters: list[torch.Tensor] | None, momentum_buffers: list[torch.Tensor | None],
-              hyper: dict[str, Any]) -> None:
-    """`update_kernels.sgd` over the parameters at `index` (their buffers filled in place)."""
+def _sgd_part(functions: ModuleType, index: list[int], params: list[torch.Tensor],
+              grads: list[torch.Tensor], masters: list[torch.Tensor] | None,
+              momentum_buffers: list[torch.Tensor | None], hyper: dict[str, Any]) -> None:
+    """`functions.sgd` over the parameters at `index` (their buffers filled in place)."""
     buffers = [momentum_buffers[k] for k in index]
     targets = masters if masters is not None else params
-    update_kernels.sgd([targets[k] for k in index], [grads[k] for k in index], buffers,
-                       stored=[params[k] for k in index] if masters is not None else None,
-                       **hyper)
+    functions.sgd([targets[k] for k in index], [grads[k] for k in index], buffers,
+                  stored=[params[k] for k in index] if masters is not None else None, **hyper)
     for k, b in zip(index, buffers, strict=True):
         momentum_buffers[k] = b
 
