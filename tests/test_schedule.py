@@ -133,7 +133,8 @@ def test_a_checkpoint_from_other_phases_is_refused() -> None:
     _, _, _, saved = _scheduled({0: "bf16-master", 6: "32-true"}, stop=7)
     model = _model()
     sched = pa.schedule(model, {0: "bf16-master", 8: "32-true"})
-    with pytest.raises(ValueError, match="saved at step 7 in phase 1"):
+    with pytest.raises(ValueError, match=r"saved at step 7 under the phases \[\[0, 'bf16-master'\]"
+                       r", \[6, '32-true'\]\], and this schedule's are .*\[8, '32-true'\]"):
         sched.load_state_dict(saved["schedule"])
 
 
@@ -579,3 +580,43 @@ def test_a_state_given_back_before_any_step_is_not_a_run_going_on() -> None:
     sched = pa.schedule(model, {0: "bf16-master", 6: "32-true"}, optimizer=opt,
                         total_steps=STEPS)
     assert _run(model, opt, sched, STEPS) == losses
+
+
+def test_dcp_resumes_across_a_switch_with_the_schedules_state_saved_beside(
+        tmp_path: Any) -> None:
+    """`get_state_dict` leaves the optimizer's phase out: the schedule's state is saved in
+    the same checkpoint and loaded first; the continued run equals the one that did not stop,
+    and the planner says nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from precision_annot.adapters.dcp import LoadPlanner
+
+    phases: dict[int | float, Any] = {0: "bf16-true", 6: "32-true"}
+    whole, losses, _, _ = _scheduled(phases)
+    model = _model()
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    sched = pa.schedule(model, phases, optimizer=opt, total_steps=STEPS)
+    first = _run(model, opt, sched, 8)
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "torch.distributed is disabled ..."
+        dcp.save({"model": msd, "optim": osd, "schedule": sched.state_dict()},
+                 checkpoint_id=str(tmp_path))
+    model = _model()
+    opt = pa.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    sched = pa.schedule(model, phases, optimizer=opt, total_steps=STEPS)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        held = {"schedule": sched.state_dict()}
+        dcp.load(held, checkpoint_id=str(tmp_path))
+        sched.load_state_dict(held["schedule"])  # first: the weights load into step 8's phase
+        msd, osd = get_state_dict(model, opt)
+        held = {"model": msd, "optim": osd}
+        dcp.load(held, checkpoint_id=str(tmp_path), planner=LoadPlanner())
+        set_state_dict(model, opt, model_state_dict=held["model"],
+                       optim_state_dict=held["optim"])
+    assert not [w for w in said if "precision_annot" in str(w.message) or "phase" in str(
+        w.message) or "narrower" in str(w.message)]
+    assert first + _run(model, opt, sched, 2, start=8) == losses
+    _equal(model, whole)

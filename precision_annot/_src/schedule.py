@@ -30,6 +30,8 @@ from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import DEFER_NARROWED, apply
 from precision_annot._src.update import formats, guard
 from precision_annot._src.update.optimizer import PlanOptimizer
+from precision_annot._src.update.rule import Item, module_rules
+from precision_annot._src.update.step import refusal
 
 __all__ = ["Narrowing", "Schedule", "Switch", "phases_of", "schedule", "switches_of",
            "unwrapped_optimizer"]
@@ -216,17 +218,16 @@ def _step_of(key: object, total_steps: int | None) -> int:
     return round(key * total_steps)
 
 
-def phases_of(phases: object, total_steps: int | None) -> list[tuple[int, Phase]]:
-    if not isinstance(phases, Mapping) or not phases:
-        raise ValueError(
-            "schedule: phases must be a non-empty dict from a step (int) or a fraction of "
-            "total_steps (float in [0, 1)) to a plan or spec, such as {0: 'bf16-master', "
-            f"0.9: '32-true'}}. Received: phases={phases!r}")
+def _check_total(total_steps: object) -> None:
     if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(
             total_steps, int) or total_steps <= 0):
         raise ValueError(
             "schedule: total_steps must be a positive int (the number of optimizer steps in "
             f"the run), or None. Received: total_steps={total_steps!r}")
+
+
+def _by_step(phases: Mapping[Any, Any], total_steps: int | None
+             ) -> dict[int, tuple[object, Phase]]:
     by_step: dict[int, tuple[object, Phase]] = {}
     for key, value in phases.items():
         step = _step_of(key, total_steps)
@@ -237,6 +238,33 @@ def phases_of(phases: object, total_steps: int | None) -> list[tuple[int, Phase]
                 f"(total_steps={total_steps!r}); give each phase its own step. Received: "
                 f"phases={dict(phases)!r}")
         by_step[step] = (key, value)
+    return by_step
+
+
+def _refuse_late(by_step: dict[int, tuple[object, Phase]], total_steps: int,
+                 phases: Mapping[Any, Any]) -> None:
+    late = [by_step[step][0] for step in by_step if step >= total_steps]
+    if late:
+        raise ValueError(
+            f"schedule: phases {late} start at or after total_steps={total_steps} (the last "
+            f"step is {total_steps - 1}), so they would never run; give them a step below "
+            f"total_steps. Received: phases={dict(phases)!r}")
+
+
+def phases_of(phases: object, total_steps: int | None, *, last: bool = False
+              ) -> list[tuple[int, Phase]]:
+    """`phases` checked, as (first step, plan or spec) pairs in order; fractions are of
+    `total_steps`; with `last`, `total_steps` is the run's own (not a trainer's `max_steps`
+    for one fit of a run resumed later), and a phase that starts after it is refused."""
+    if not isinstance(phases, Mapping) or not phases:
+        raise ValueError(
+            "schedule: phases must be a non-empty dict from a step (int) or a fraction of "
+            "total_steps (float in [0, 1)) to a plan or spec, such as {0: 'bf16-master', "
+            f"0.9: '32-true'}}. Received: phases={phases!r}")
+    _check_total(total_steps)
+    by_step = _by_step(phases, total_steps)
+    if last and total_steps is not None:
+        _refuse_late(by_step, total_steps, phases)
     if 0 not in by_step:
         raise ValueError(
             "schedule: phases must have a phase at step 0 (0 or 0.0), the plan the run starts "
@@ -274,11 +302,9 @@ class Schedule:
         self._applied: int | None = None
         self._attached: list[weakref.ref[Any]] = []
         self._narrowed_load: list[Narrowed] = []
-        guard.schedule_keeps(model.parameters())
+        self._follow_model()
         self._switch()
         self._attach()
-        ref = weakref.ref(self)
-        DEFER_NARROWED[model] = lambda found: (s := ref()) is not None and s._defer(found)
 
     def _defer(self, found: list[Narrowed]) -> bool:
         """The model's weights were loaded narrower than the phase now keeps them: a
@@ -351,10 +377,11 @@ class Schedule:
         with warnings.catch_warnings():  # planned: a weight held narrower, then wider (and
             # what the switch loses is said below, measured)
             warnings.filterwarnings("ignore", message=r".*stored narrower than before the first")
-            if isinstance(spec, PrecisionPlan):
-                apply(self.model, spec)
-            else:
-                apply(self.model, default=spec)
+            with guard.switching(previous is not None):
+                if isinstance(spec, PrecisionPlan):
+                    apply(self.model, spec)
+                else:
+                    apply(self.model, default=spec)
         self._applied = phase
         if before is None or previous is None or not measure:
             return True
@@ -398,6 +425,13 @@ class Schedule:
                 f"returned, with an int 'step' >= 0. Received: state_dict={state_dict!r}")
         self.step_count = step
         self._narrowed_load = []  # the checkpoint's own phase: its masters are loaded with it
+        texts = state_dict.get("phases")
+        mine = [[start, _text(spec)] for start, spec in self.phases]
+        if texts is not None and [list(t) for t in texts] != mine:
+            raise ValueError(
+                f"Schedule.load_state_dict: the checkpoint was saved at step {step} under the "
+                f"phases {texts!r}, and this schedule's are {mine!r}: build the schedule with "
+                f"the phases the run was saved under. Received: state_dict={dict(state_dict)!r}")
         saved = (state_dict.get("phase"), state_dict.get("phase_start"))
         if saved != (self.phase, self.phases[self.phase][0]):
             raise ValueError(
@@ -408,6 +442,23 @@ class Schedule:
                 f"state_dict={dict(state_dict)!r}")
         self.step_count = step
         self._switch(measure=False)  # not a switch of the run: its state is loaded next
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (the optimizers it is attached to are found again: a copy attaches to the copies)
+        return {k: v for k, v in self.__dict__.items() if k != "_attached"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._attached = []
+        self._follow_model()
+        self._attach()
+
+    def _follow_model(self) -> None:
+        """The model's parameters kept wide on a load, and its loads' narrowing deferred to
+        this schedule (see `_defer`)."""
+        guard.schedule_keeps(self.model.parameters())
+        ref = weakref.ref(self)
+        DEFER_NARROWED[self.model] = lambda found: (s := ref()) is not None and s._defer(found)
 
     def __repr__(self) -> str:
         phases = ", ".join(f"{start}: {spec!s}" if not isinstance(spec, PrecisionPlan)
@@ -457,4 +508,50 @@ def schedule(model: nn.Module, phases: Mapping[int | float, Phase], *,
             "state in the dtypes of the phase before. Build it with "
             "precision_annot.optimizer(model, torch.optim.AdamW, lr=...). Received: "
             f"optimizer of type {type(optimizer).__name__}")
-    return Schedule(model, phases_of(phases, total_steps), optimizer)
+    steps = phases_of(phases, total_steps, last=True)
+    if optimizer is not None:
+        _check_optimizer(model, steps, optimizer)
+    return Schedule(model, steps, optimizer)
+
+
+def _check_optimizer(model: nn.Module, phases: list[tuple[int, Phase]],
+                     optimizer: PlanOptimizer) -> None:
+    """Refused now, not at the switch: an optimizer of another model, and a phase whose
+    update the optimizer cannot make (a low-bit state with another class than Adam, or
+    torchao missing)."""
+    params = {id(p) for p in model.parameters()}
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    if params and not any(id(p) in params for p in held):
+        raise ValueError(
+            "schedule: optimizer steps none of the model's parameters (it was built for "
+            "another model?): give the optimizer precision_annot.optimizer built for this "
+            f"model. Received: an optimizer of {len(held)} parameter(s), a model of "
+            f"{len(params)}")
+    for start, spec in phases:
+        plan = spec if isinstance(spec, PrecisionPlan) else resolve(model, default=spec)
+        items, uses = _phase_items(model, plan, optimizer)
+        why = refusal(optimizer, items)
+        if why is not None:
+            raise ValueError(f"schedule: the phase from step {start} ({_text(spec)}): {why}")
+        formats.require_torchao(uses)
+
+
+def _phase_items(model: nn.Module, plan: PrecisionPlan, optimizer: PlanOptimizer
+                 ) -> tuple[list[Item], dict[str, list[str]]]:
+    """The optimizer's parameters whose update under `plan` is torchao's low-bit one, and what
+    each parameter takes from torchao, by use (as `optimizer` checks them when built)."""
+    group = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    named = dict(model.named_parameters())
+    items: list[Item] = []
+    uses: dict[str, list[str]] = {}
+    for name, row in plan.items():
+        for info, rule in module_rules(row):
+            full = f"{name}.{info.name}" if name else info.name
+            p = named.get(full)
+            if p is None or id(p) not in group:
+                continue
+            if rule.torchao is not None:
+                uses.setdefault(rule.torchao, []).append(full)
+            if rule.low_bit:
+                items.append(Item(group[id(p)], p, rule, full))
+    return items, uses

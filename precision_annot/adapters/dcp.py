@@ -18,6 +18,7 @@ parameter's state in the layout the checkpoint holds it in, and
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -71,6 +72,7 @@ class LoadPlanner(DefaultLoadPlanner):
         self._wide = {} if metadata is None else _wide_targets(self.state_dict, metadata)
         if metadata is None or not is_coordinator:
             return  # said once, by the coordinator (every rank loads the same keys)
+        _say_no_phase(self.state_dict, metadata)
         kept = {k: t.dtype for k, t in self.state_dict.items() if isinstance(t, torch.Tensor)}
         saved = [(k, item.properties.dtype) for k, item in metadata.state_dict_metadata.items()
                  if isinstance(item, TensorStorageMetadata)]
@@ -98,6 +100,32 @@ class LoadPlanner(DefaultLoadPlanner):
                 super().resolve_tensor(read_item).copy_(tensor)
             guard.loaded({wide[0]: tensor})
         super().commit_tensor(read_item, tensor)
+
+
+def _say_no_phase(flat: dict[str, Any], metadata: Metadata) -> None:
+    """A model a `precision_annot.schedule` drives, loaded from a checkpoint that holds no
+    phase (`get_state_dict` leaves the optimizer's out): the run would go on in the phase the
+    schedule is in now, whatever step the checkpoint was taken at."""
+    if any(key.rsplit(".", 1)[-1] == "phase_start" for key in metadata.state_dict_metadata):
+        return  # the checkpoint holds a schedule's state (loaded by the caller)
+    storages = guard.scheduled_storages()
+    if not storages or not any(
+            isinstance(t, torch.Tensor) and _storage(t) in storages for t in flat.values()):
+        return
+    warnings.warn(
+        "torch.distributed.checkpoint.load: these tensors belong to a model a "
+        "precision_annot.schedule drives, and the checkpoint holds no phase "
+        "(get_state_dict leaves the optimizer's 'precision_annot_schedule' out), so the run "
+        "would go on in the phase the schedule is in now. Save the schedule's state with the "
+        "checkpoint ({'model': ..., 'optim': ..., 'schedule': sched.state_dict()}) and load it "
+        "first: dcp.load({'schedule': sched.state_dict()}, ...), then "
+        "sched.load_state_dict(...).", UserWarning, stacklevel=5)
+
+
+def _storage(t: torch.Tensor) -> int:
+    to_local = getattr(t, "to_local", None)
+    local = to_local() if to_local is not None else t
+    return int(local.untyped_storage().data_ptr())
 
 
 def _view(t: torch.Tensor) -> tuple[Any, ...] | None:

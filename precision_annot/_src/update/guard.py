@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -285,12 +285,48 @@ def schedule_keeps(params: Iterable[torch.Tensor]) -> None:
         _SCHEDULED[p] = True
 
 
+def scheduled_storages() -> set[int]:
+    """The storages (their data pointers) of the parameters a schedule drives: the tensors of
+    a state dict made from them share them."""
+    out = set()
+    for p in list(_SCHEDULED.keys()):  # type: ignore[no-untyped-call]
+        to_local = getattr(p, "to_local", None)
+        local = to_local() if to_local is not None else p
+        out.add(int(local.untyped_storage().data_ptr()))
+    return out
+
+
 def release_wide(params: Iterable[torch.Tensor]) -> None:
     """The schedule stepped: the values a load kept for a parameter whose plan keeps no
     master are stale (the step wrote it), and let go."""
     for p in params:
         if p in _WIDE and _master_dtype(p) is None:
             _WIDE.pop(p, None)  # type: ignore[no-untyped-call]
+
+
+#: whether a schedule's switch (not its first phase) is applying a plan now
+_SWITCHING = [False]
+
+
+@contextlib.contextmanager
+def switching(on: bool) -> Iterator[None]:
+    """A schedule's switch applies a plan: every parameter an optimizer holds (a frozen one,
+    one not stepped yet) is part of a run going on, and a master its new phase keeps starts
+    from the widest copy there is."""
+    before, _SWITCHING[0] = _SWITCHING[0], on
+    try:
+        yield
+    finally:
+        _SWITCHING[0] = before
+
+
+def _going_on(param: torch.Tensor) -> bool:
+    return any(_stepped(opt.state.get(param)) for opt in list(_FOLLOWED))
+
+
+def _optimized(param: torch.Tensor) -> bool:
+    return any(param is p for opt in list(_FOLLOWED) for g in opt.param_groups
+               for p in g["params"])
 
 
 def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
@@ -304,8 +340,8 @@ def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
     said = {id(p): s for p, s in planned}
     for param, value, stored in params:
         if (id(param) not in said or not wider(value.dtype, stored) or param in _WIDE
-                or _held_master(param)
-                or not any(_stepped(opt.state.get(param)) for opt in list(_FOLLOWED))):
+                or _held_master(param) or not (_going_on(param) or (
+                    _SWITCHING[0] and param in _SCHEDULED and _optimized(param)))):
             continue
         dtype = rule_for(said[id(param)].fields, stored).master
         if dtype is not None:
