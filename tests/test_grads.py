@@ -41,6 +41,51 @@ def test_apply_sets_grad_dtype_and_remove_gives_the_parameters_own_back() -> Non
     assert not model._forward_hooks
 
 
+def _grads(model: nn.Module) -> list[tuple[torch.dtype, torch.dtype | None, torch.Tensor]]:
+    """Each parameter's dtype, `grad_dtype` and gradient after one backward from zero."""
+    model.zero_grad()
+    loss_of(model, batch(0)).backward()
+    out = []
+    for p in model.parameters():
+        assert p.grad is not None
+        out.append((p.dtype, p.grad_dtype, p.grad))
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:.* stored narrower than before:UserWarning")
+@pytest.mark.parametrize("specs", [
+    ("bf16-master", "32-true", "bf16-true"),
+    ("32-true", "bf16-master", "32-true", "bf16-true"),
+    ("bf16-master", "bf16-true", "16-true"),
+    ("bf16-master", "32-true", "bf16-true", None),  # None: remove
+    ("bf16-master", "bf16-true", None),
+])
+def test_each_plan_of_a_sequence_accumulates_as_that_plan_applied_alone(
+        specs: tuple[str | None, ...]) -> None:
+    """A `grad_dtype` given back after a `grad=fp32` plan (the parameter's dtype then: torch
+    keeps a set one through later casts) follows the parameter into the dtype the next plan
+    stores it in (measured before: an fp32 `.grad` on the bf16 weights of "bf16-true", which
+    torch's AdamW refuses: "expected dtype c10::BFloat16 for `end` but got dtype float"), and
+    `remove` gives it the original dtype."""
+    model = mlp()
+    for spec in specs:
+        if spec is None:
+            pa.remove(model)
+        else:
+            pa.apply(model, default=spec)
+        alone = mlp()  # the same values, only this plan applied
+        for p, q in zip(alone.parameters(), model.parameters(), strict=True):
+            p.data = q.detach().float()
+        if spec is not None:
+            pa.apply(alone, default=spec)
+        for (dtype, grad_dtype, grad), (want, want_grad_dtype, want_grad) in zip(
+                _grads(model), _grads(alone), strict=True):
+            assert (dtype, grad_dtype, grad.dtype) == (want, want_grad_dtype, want_grad.dtype)
+            assert torch.equal(grad, want_grad)
+    opt = torch.optim.AdamW(model.parameters())  # a plain update: as stored
+    opt.step()
+
+
 def test_copies_pickles_and_an_assigned_state_dict_keep_the_accumulation_dtype() -> None:
     """A copied or unpickled Parameter, or one `load_state_dict(assign=True)` puts in place,
     starts with its own dtype as `grad_dtype`; the applied model gives it the plan's again."""

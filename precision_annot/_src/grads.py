@@ -51,7 +51,7 @@ from precision_annot._src.execution import Key, Target
 from precision_annot._src.plan import PrecisionPlan
 from precision_annot._src.update.rule import update_rule
 
-__all__ = ["Pending", "WideGrads", "own_dtype", "pending", "planned", "set_grad_dtype"]
+__all__ = ["Pending", "WideGrads", "own_dtype", "pending", "planned", "set_grad_dtype", "stale"]
 
 #: (module name, parameter name, accumulation dtype, comm dtype or None) for one parameter
 Entry = tuple[str, str, torch.dtype, torch.dtype | None]
@@ -69,6 +69,7 @@ class Wide(NamedTuple):
 def set_grad_dtype(param: torch.Tensor, dtype: torch.dtype) -> None:
     """Accumulate `param`'s gradients in `dtype` from now on; a gradient it holds is cast
     (torch refuses to change `grad_dtype` under an existing gradient of another dtype)."""
+    _OWN.pop(param, None)  # type: ignore[no-untyped-call]
     if param.grad_dtype == dtype:
         return
     grad = param.grad
@@ -404,8 +405,26 @@ def _settle(p: torch.Tensor, entry: Pending) -> None:
     p.grad = result
 
 
+#: the dtype `own_dtype` gave each parameter as `grad_dtype`: torch has no way back to "follow
+#: the dtype", so a later cast of the parameter (the next `apply`, `remove`) leaves it behind
+_OWN: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def own_dtype(params: Iterable[nn.Parameter]) -> None:
     """Give each parameter its own dtype back as `grad_dtype` (torch has no way back to
-    "follow the dtype": it is set to the dtype the parameter has now)."""
+    "follow the dtype": it is set to the dtype the parameter has now, and noted, for `stale`)."""
     for p in params:
         set_grad_dtype(p, p.dtype)
+        _OWN[p] = p.dtype
+
+
+def stale(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    """Those of `params` whose `grad_dtype` is the dtype `own_dtype` gave them, which a cast
+    since left behind (an fp32 one, from a `grad=fp32` plan then an fp32 one, stored in bf16
+    by the next): `own_dtype` gives them their dtype now, as an unset `grad_dtype` would."""
+    out = []
+    for p in params:
+        given: torch.dtype | None = _OWN.get(p)  # type: ignore[no-untyped-call]
+        if given is not None and p.grad_dtype == given != p.dtype:
+            out.append(p)
+    return out

@@ -801,10 +801,12 @@ def _apply(root: nn.Module, plan: PrecisionPlan, check_finite: bool, resolved: b
 def _widen(root: nn.Module, state: AppliedState, wide: tuple[grads.Entry, ...],
            widened: list[nn.Parameter]) -> None:
     """Give each parameter the plan's gradient dtype (`grad=fp32`); one an earlier apply
-    widened and this plan does not gets its own dtype back."""
+    widened and this plan does not gets its own dtype back, and so does one an earlier apply
+    gave its own dtype back that this one stored in another (see `grads.stale`)."""
     named = dict(root.named_modules())
     kept = {id(get_tensor(named[m], "param", t)) for m, t, _, _ in wide}
-    grads.own_dtype([p for p in widened if id(p) not in kept])
+    grads.own_dtype([p for p in (*widened, *grads.stale(root.parameters()))
+                     if id(p) not in kept])
     if wide:
         state.wide = grads.WideGrads(wide)
         state.wide.bind(root)
@@ -869,5 +871,5 @@ def remove(model: M) -> M:
         if module is not None and tensor is not None and tensor.dtype != dtype:
             ModuleState(module, name).cast(kind, tname, tensor.detach().to(dtype))
     guard.forget(root.parameters())
-    grads.own_dtype(widened)
+    grads.own_dtype([*widened, *grads.stale(root.parameters())])
     return model

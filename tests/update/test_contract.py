@@ -27,6 +27,7 @@ from torch.optim.optimizer import (
 
 import precision_annot as pa
 from precision_annot._src.update.optimizer import state_bytes
+from tests.helpers import accumulate_as_planned
 from tests.update.cases import (
     CLASSES,
     OLD_FLAGS,
@@ -653,6 +654,29 @@ def test_pickling_round_trips_and_continues(case: Case) -> None:
     parallel(case, [(model, opt), (again_model, again)], 3, start=3)
     same(stored(model), stored(again_model))
     same(truth(opt, model), truth(again, again_model))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("case", cases(("grad32", "AdamW"), layouts=("masters", "8bit",
+                                                                     "stochastic", "grad32")))
+def test_a_copy_of_an_optimizer_built_before_apply_steps_as_the_original(
+        case: Case, how: str) -> None:
+    """Built first, then `apply` (the order a schedule takes): a deepcopy or an unpickled copy
+    of (model, optimizer) mid-run steps as the original does, weights, masters and moments bit
+    for bit (measured before: the copy's rule was "as stored", the build's, and its first step
+    raised torch's "expected dtype c10::BFloat16 for `end` but got dtype float")."""
+    model = Toy()
+    opt = pa.optimizer(model, case.cls, **case.kwargs)
+    accumulate_as_planned(pa.apply(model, default=case.spec))
+    parallel(case, [(model, opt)], 3)
+    pair = (copy.deepcopy((model, opt)) if how == "deepcopy"
+            else pickle.loads(pickle.dumps((model, opt))))
+    assert [pair[1].rule(p) for p in pair[0].parameters()] == [
+        opt.rule(p) for p in model.parameters()]
+    parallel(case, [(model, opt), pair], 3, start=3)
+    same(stored(model), stored(pair[0]))
+    same(truth(opt, model), truth(pair[1], pair[0]))
+    same(opt.state_dict(), pair[1].state_dict())
 
 
 def _schedulers(opt: Any) -> list[Any]:

@@ -66,6 +66,8 @@ class PlanOptimizer(Optimizer):
     _precision_annot_base: type[Optimizer] = Optimizer
     _precision_annot_fields: dict[torch.Tensor, UpdateFields]
     _precision_annot_names: dict[torch.Tensor, str]
+    #: what `apply` said last about each parameter, kept with the optimizer (see `step.rule_of`)
+    _precision_annot_said: dict[torch.Tensor, guard.Planned]
     _precision_annot_compile: bool | None
     #: `step.run_step`, run as it is under `torch.compile` (set by `planned_class`)
     _precision_annot_step: Callable[[Any, Callable[[], Any] | None], Any]
@@ -88,8 +90,12 @@ class PlanOptimizer(Optimizer):
                 p.grad.zero_()
 
     def _precision_annot_settle(self) -> None:
-        """`apply` or `remove` changed what is said about some of the parameters: each state
-        settled into it now (see `step.settle`), not at the next step."""
+        """`apply` or `remove` changed what is said about some of the parameters: what is said
+        now noted (see `step.rule_of`), and each state settled into it now (see
+        `step.settle`), not at the next step."""
+        self._precision_annot_said = {
+            p: said for g in self.param_groups for p in g["params"]
+            if (said := guard.planned(p)) is not None}
         try:
             items = items_of(self)
         except ValueError:
@@ -573,8 +579,10 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
     - `master=fp32` over bf16 or fp16 storage: an fp32 master copy of the parameter (kept in
       its state as "master") is updated from its gradient and written back rounded into
       storage. Adam, AdamW and SGD with `fused` and `foreach` left unset (or `fused=True`) do
-      it in one pass through torch's fused kernel, bit for bit `fused=True` over the masters;
-      with `foreach=...`, `fused=False`, `differentiable` or `capturable` given, and for any
+      it in one pass through torch's fused kernel, bit for bit `fused=True` over the masters
+      (on an NVIDIA GPU where Triton 3.9 or newer imports, through a Triton kernel of the same
+      formula as torch's fused CPU kernel, checked on the first step; `PRECISION_ANNOT_TRITON=0`
+      gives torch's fused CUDA kernel back); with `foreach=...`, `fused=False`, `differentiable` or `capturable` given, and for any
       other class, the class's own step updates the masters, the gradients upcast a chunk of
       parameters at a time.
     - `master="stochastic"` over bf16 storage: the class steps an fp32 copy made for the step,

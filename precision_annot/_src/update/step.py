@@ -48,8 +48,15 @@ StepFn = Callable[[Optimizer, Any], Any]
 
 def rule_of(optimizer: Any, param: torch.Tensor) -> tuple[UpdateRule, str]:
     """The rule of `param` now and its name: what the plan applied last says about it, else
-    what the model's plan said when the optimizer was built, else nothing (a plain update)."""
+    what the model's plan said when the optimizer was built, else nothing (a plain update).
+
+    What the plan applied last says is the step guard's, keyed by the model's parameters, and
+    also the optimizer's own, noted when `apply` tells it (`_precision_annot_settle`): a copy
+    or an unpickled optimizer, whose parameters the step guard never saw, steps as the
+    original did (one built before `apply` has no fields from the model's plan to go on)."""
     said = planned(param)
+    if said is None:
+        said = optimizer.__dict__.get("_precision_annot_said", {}).get(param)
     fields: UpdateFields | None
     if said is not None:
         fields, name = said.fields, said.name
