@@ -1,8 +1,7 @@
 """`precision_annot.schedule` as users' loops use it, against the same loop written by hand in
 plain PyTorch (fp32 masters stepped by torch's AdamW, the weights held rounded in the bf16
-steps, as tests/test_schedule.py writes it). The tests marked `xfail(strict=True)` are defects
-found by breaking it: each fails on the current code, and each says what the hand loop (or the
-docs) expect."""
+steps, as tests/test_schedule.py writes it). The tests of the defects found by breaking it
+failed before their fixes, and each says what the hand loop (or the docs) expect."""
 
 from __future__ import annotations
 

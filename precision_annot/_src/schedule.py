@@ -274,10 +274,11 @@ def phases_of(phases: object, total_steps: int | None, *, last: bool = False
 
 def unwrapped_optimizer(optimizer: Any) -> Any:
     """The optimizer a trainer's wrapper holds (Accelerate's `AcceleratedOptimizer`,
-    Lightning's `LightningOptimizer`: each keeps it as `.optimizer`), or `optimizer`."""
+    Lightning's `LightningOptimizer`, Fabric's, which passes for the class it wraps: each
+    keeps it as `.optimizer`), or `optimizer`."""
     for _ in range(8):
         inner = getattr(optimizer, "optimizer", None)
-        if isinstance(optimizer, PlanOptimizer) or not isinstance(inner, Optimizer):
+        if not isinstance(inner, Optimizer) or inner is optimizer:
             break
         optimizer = inner
     return optimizer
@@ -302,14 +303,19 @@ class Schedule:
         self._applied: int | None = None
         self._attached: list[weakref.ref[Any]] = []
         self._narrowed_load: list[Narrowed] = []
+        self._stepped = False  # no step counted yet by this object: a resume may be loading
         self._follow_model()
         self._switch()
-        self._attach()
+        self.attach()
 
     def _defer(self, found: list[Narrowed]) -> bool:
-        """The model's weights were loaded narrower than the phase now keeps them: a
-        checkpoint of another phase, whose optimizer state (loaded next, in a trainer's order)
-        holds the phase and its masters. Said at the next step if no such state came."""
+        """The model's weights were loaded narrower than the phase now keeps them: before
+        the run's first step here (a resume), a checkpoint of another phase, whose optimizer
+        state (loaded next, in a trainer's order) holds the phase and its masters; said at
+        the next step if no such state came. Later (the best checkpoint loaded at the end, a
+        validation from a checkpoint), said now."""
+        if self._stepped:
+            return False
         self._narrowed_load = list(found)
         return True
 
@@ -332,8 +338,9 @@ class Schedule:
         """Count one optimizer step (call it after `optimizer.step()`); where the next step
         starts a new phase, apply it. Returns whether it switched."""
         self.step_count += 1
+        self._stepped = True
         if not self._attached:
-            self._attach()  # an optimizer a trainer built after the schedule
+            self.attach()  # an optimizer a trainer built after the schedule
         guard.release_wide(self.model.parameters())
         if self._narrowed_load:
             found, self._narrowed_load = self._narrowed_load, []
@@ -356,7 +363,7 @@ class Schedule:
             found.insert(0, self.optimizer)
         return found
 
-    def _attach(self) -> None:
+    def attach(self) -> None:
         """Each optimizer of the model saves the phase in its `state_dict()` and, loaded,
         goes to it first (see `PlanOptimizer.load_state_dict`)."""
         for opt in self._optimizers():
@@ -423,8 +430,9 @@ class Schedule:
             raise ValueError(
                 "Schedule.load_state_dict: state_dict must be what Schedule.state_dict() "
                 f"returned, with an int 'step' >= 0. Received: state_dict={state_dict!r}")
-        self.step_count = step
-        self._narrowed_load = []  # the checkpoint's own phase: its masters are loaded with it
+        if step != self.step_count:  # another point of the run: its masters load with it
+            self._narrowed_load = []  # (a state given back where it is, as Accelerate's
+        self.step_count = step  # wrapper gives it, says nothing about the weights loaded)
         texts = state_dict.get("phases")
         mine = [[start, _text(spec)] for start, spec in self.phases]
         if texts is not None and [list(t) for t in texts] != mine:
@@ -451,7 +459,7 @@ class Schedule:
         self.__dict__.update(state)
         self._attached = []
         self._follow_model()
-        self._attach()
+        self.attach()
 
     def _follow_model(self) -> None:
         """The model's parameters kept wide on a load, and its loads' narrowing deferred to
@@ -500,6 +508,12 @@ def schedule(model: nn.Module, phases: Mapping[int | float, Phase], *,
         ([False, True, False, False], torch.float32)
     """
     require_module(model, "schedule")
+    if "_original_forward" in model.__dict__:
+        raise ValueError(
+            "schedule: the model's forward was wrapped by accelerate's prepare (its "
+            "mixed_precision autocast), which a plan applied after it does not take back: build "
+            "the schedule before accelerator.prepare(model, ...). Received: a model with "
+            "_original_forward set")
     optimizer = unwrapped_optimizer(optimizer)
     if optimizer is not None and not isinstance(optimizer, PlanOptimizer):
         raise ValueError(

@@ -39,7 +39,14 @@ from precision_annot._src.float8 import plain_class
 from precision_annot._src.plan import PrecisionPlan, parent_name
 from precision_annot._src.resolution import resolve
 from precision_annot._src.runtime import apply, plan_of
-from precision_annot._src.schedule import Phase, Schedule, schedule
+from precision_annot._src.schedule import (
+    Phase,
+    Schedule,
+    phases_of,
+    schedule,
+    unwrapped_optimizer,
+)
+from precision_annot._src.update.optimizer import PlanOptimizer
 from precision_annot._src.watching import watch as make_watch
 
 __all__ = ["FP8Linear", "HFKeepInFP32", "fp8_rules", "from_pretrained", "keep_in_fp32_patterns",
@@ -423,14 +430,15 @@ def schedule_callback(trainer: Any, phases: dict[int | float, Phase], *,
     applied to `trainer.model` now (before `train()` builds or loads anything), and after each
     optimizer step (`on_step_end`) the next phase is applied where it starts. A run resumed
     from a checkpoint goes to the phase of the checkpoint's step before its first step. Pass a
-    `precision_annot.optimizer` as `Trainer(optimizers=(optimizer, None))` where a phase keeps
-    masters.
+    `precision_annot.optimizer` as `Trainer(optimizers=(optimizer, None))`: an optimizer the
+    Trainer builds itself is refused when training begins.
 
     Args:
         trainer: a `transformers.Trainer`, before `train()`.
         phases: as `precision_annot.schedule` takes them; fractions are of `total_steps`.
         total_steps: the optimizer steps of the run, for fractions. (Default: the Trainer's
-            `args.max_steps` where it is set)
+            `args.max_steps` where it is set, else the steps it computes from
+            `num_train_epochs` when training begins)
 
     Returns:
         The callback; its `schedule` attribute holds the `Schedule`.
@@ -443,14 +451,22 @@ def schedule_callback(trainer: Any, phases: dict[int | float, Phase], *,
 
     if total_steps is None and getattr(getattr(trainer, "args", None), "max_steps", -1) > 0:
         total_steps = int(trainer.args.max_steps)
-    sched = schedule(trainer.model, phases, total_steps=total_steps,
-                     optimizer=getattr(trainer, "optimizer", None))
+    later = total_steps is None and any(isinstance(k, float) and k for k in phases)
+    first = ({k: v for k, v in phases.items() if not isinstance(k, float) or not k} if later
+             else phases)
+    if later:  # every phase checked now; fractions placed when training begins
+        phases_of(phases, 10**9)
+    given = getattr(trainer, "optimizer", None)
+    sched = schedule(trainer.model, first, total_steps=total_steps, optimizer=given)
 
     class ScheduleCallback(TrainerCallback):
         def __init__(self) -> None:
             self.schedule: Schedule = sched
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if later:  # the steps the Trainer computed from num_train_epochs
+                self.schedule.phases = phases_of(phases, int(state.max_steps))
+            _require_planned(kwargs.get("optimizer"), self.schedule)
             self.schedule.seek(int(state.global_step))  # a resumed run: the saved step's phase
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -460,6 +476,23 @@ def schedule_callback(trainer: Any, phases: dict[int | float, Phase], *,
     callback = ScheduleCallback()
     trainer.add_callback(callback)
     return callback
+
+
+def _require_planned(optimizer: Any, sched: Schedule) -> None:
+    """The Trainer's optimizer must be one `precision_annot.optimizer` built: it follows
+    each switch (masters, moments and their formats)."""
+    if optimizer is None:
+        return
+    inner = unwrapped_optimizer(optimizer)
+    if not isinstance(inner, PlanOptimizer):
+        raise ValueError(
+            "schedule_callback: the Trainer's optimizer must be one precision_annot.optimizer "
+            "built (it follows each switch: masters, moments and their formats); pass it as "
+            "Trainer(optimizers=(precision_annot.optimizer(model, torch.optim.AdamW, lr=...), "
+            f"None)). Received: the Trainer's own {type(inner).__name__}")
+    if sched.optimizer is None:
+        sched.optimizer = inner
+        sched.attach()
 
 
 def units(model: nn.Module) -> list[type[nn.Module]]:

@@ -582,9 +582,9 @@ def optimizer(model: nn.Module, optimizer_class: type[Optimizer], /,
       it in one pass through torch's fused kernel, bit for bit `fused=True` over the masters
       (on an NVIDIA GPU where Triton 3.9 or newer imports, through a Triton kernel of the same
       formula as torch's fused CPU kernel, checked on the first step; `PRECISION_ANNOT_TRITON=0`
-      gives torch's fused CUDA kernel back); with `foreach=...`, `fused=False`, `differentiable` or `capturable` given, and for any
-      other class, the class's own step updates the masters, the gradients upcast a chunk of
-      parameters at a time.
+      gives torch's fused CUDA kernel back); with `foreach=...`, `fused=False`, `differentiable`
+      or `capturable` given, and for any other class, the class's own step updates the
+      masters, the gradients upcast a chunk of parameters at a time.
     - `master="stochastic"` over bf16 storage: the class steps an fp32 copy made for the step,
       written back with stochastic rounding (torchao's); any class.
     - `grad=fp32`: the gradient is accumulated in fp32 (`Tensor.grad_dtype`), and the step

@@ -86,6 +86,12 @@ class ScheduleCallback(pl.Callback):
                     f"ScheduleCallback: the phases give the plan, and {type(plugin).__name__} "
                     "was given plan= as well; give the plugin no plan (put a plan in a phase "
                     "instead). Received: a plugin with plan=<PrecisionPlan>")
+            if plugin.default is not None:
+                raise ValueError(
+                    f"ScheduleCallback: the phases give the plan, and {type(plugin).__name__} "
+                    f"was given default={str(plugin.default)!r}, which would not be used; give "
+                    "the plugin no default (put it in the phase of step 0 instead). Received: "
+                    f"a plugin with default={str(plugin.default)!r}")
             plugin.scheduled = True  # it applies nothing in convert_module: see on_fit_start
 
     @override
