@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -307,6 +308,15 @@ class Schedule:
         self._follow_model()
         self._switch()
         self.attach()
+        if len(phases) > 1 and dist.is_available() and dist.is_initialized() and (
+                dist.get_world_size() > 1):
+            warnings.warn(
+                "schedule: under torch.distributed, a switch changes the parameters' dtypes, "
+                "and a DistributedDataParallel, FSDP or DeepSpeed wrapper made before it keeps "
+                "buffers for the old ones (DDP's replicas then drift apart, silently): wrap the "
+                "model again at each switch (sched.step() returns True there), e.g. "
+                "`if sched.step(): ddp_model = DistributedDataParallel(model)`.",
+                UserWarning, stacklevel=3)
 
     def _defer(self, found: list[Narrowed]) -> bool:
         """The model's weights were loaded narrower than the phase now keeps them: before
