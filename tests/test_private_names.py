@@ -449,6 +449,20 @@ def _fp8_weight_tensor(built: Built) -> None:
 
 
 #: names checked by more than import and getattr: what the package does with them, run
+def _accelerate_forward(built: Built) -> None:
+    """accelerate's `prepare` under mixed_precision marks the model whose forward it wrapped
+    in autocast with `_original_forward` (what `schedule` refuses a model by)."""
+    import accelerate
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    try:
+        model = accelerate.Accelerator(cpu=True, mixed_precision="bf16").prepare(nn.Linear(2, 2))
+        assert "_original_forward" in model.__dict__
+    finally:
+        AcceleratorState._reset_state(True)
+
+
 CHECKS: dict[str, Callable[[Built], None]] = {
     "torch._C._current_graph_task_id": _sequence_numbers,
     "torch._C._current_autograd_node": _sequence_numbers,
@@ -482,6 +496,7 @@ CHECKS: dict[str, Callable[[Built], None]] = {
     "torch.autograd.profiler._is_profiler_enabled": _profiler_flag,
     "torch._utils._rebuild_tensor_v2": _rebuilders,
     "lightning.fabric.wrappers._FabricModule": _fabric_module,
+    "accelerate.Accelerator.prepare()._original_forward": _accelerate_forward,
     "transformers.PreTrainedModel._weight_conversions": _weight_conversions,
     "torchao.float8._inductor_patch._patch_inductor_min_max_codegen": _inductor_patch,
     "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor._tensor": _fp8_weight_tensor,

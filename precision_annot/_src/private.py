@@ -350,6 +350,11 @@ BACKENDS: tuple[PrivateName, ...] = (
     _N("lightning.fabric.wrappers._FabricModule", ("_src.wrappers",),
        "the class (by name) of Fabric's `setup()` wrapper, unwrapped through its public "
        "`module` property", "None: the class has no public name."),
+    _N("accelerate.Accelerator.prepare()._original_forward", ("_src.schedule",),
+       "whether accelerate's `prepare` wrapped the model's forward in its mixed_precision "
+       "autocast, which a plan applied after it does not take back (the schedule refuses it)",
+       "None: accelerate marks the wrap only with this attribute it sets on the model.",
+       via="_original_forward"),
     # -- transformers --------------------------------------------------------------------------
     _N("transformers.PreTrainedModel._keep_in_fp32_modules",
        ("_src.resolution", "adapters.deepspeed.buffers", "adapters.transformers"),
