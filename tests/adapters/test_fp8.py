@@ -450,6 +450,8 @@ def test_refusals_check_names_are_the_refusals_apply_makes() -> None:
         assert all(type(m) in (nn.Sequential, nn.Linear, Scaled) for m in model.modules())
 
 
+@pytest.mark.slow  # over make test's budget (a process without torchao): run by make test-all;
+# tests/test_float8.py's import without torchao stays in make test
 def test_fp8_unavailable_is_the_error_apply_raises_without_torchao() -> None:
     code = (
         "import sys; sys.modules['torchao'] = None\n"
