@@ -312,9 +312,10 @@ class Schedule:
                 dist.get_world_size() > 1):
             warnings.warn(
                 "schedule: under torch.distributed, a switch changes the parameters' dtypes, "
-                "and a DistributedDataParallel, FSDP or DeepSpeed wrapper made before it keeps "
-                "buffers for the old ones (DDP's replicas then drift apart, silently): wrap the "
-                "model again at each switch (sched.step() returns True there), e.g. "
+                "and a DistributedDataParallel or FSDP wrapper made before it keeps buffers "
+                "for the old ones (DDP's replicas then drift apart, silently; FSDP2's next "
+                "forward fails on the mixed dtypes): wrap the model again at each switch "
+                "(sched.step() returns True there), e.g. "
                 "`if sched.step(): ddp_model = DistributedDataParallel(model)`.",
                 UserWarning, stacklevel=3)
 
