@@ -16,6 +16,7 @@ from torch import nn
 import precision_annot as pa
 from precision_annot._src.checkpoints.phases import schedule_state
 from precision_annot._src.cli import main
+from tests.test_schedule import _hf_model, _Tokens
 
 PHASES: dict[int | float, Any] = {0: "bf16-master", 4: "32-true"}
 LISTED = "its phases: 0: 'bf16-master' from step 0, 1: '32-true' from step 4."
@@ -146,25 +147,6 @@ def test_a_dcp_checkpoint_holding_the_optimizers_state_dict(tmp_path: Path) -> N
             f"as '{tmp_path / 'plain'}' under key 'optimizer.precision_annot_schedule' says; "
             f"{LISTED}") in said
     assert _phase(pa.check(_fresh(1), "checkpoint", {"path": tmp_path / "dcp"})) == []
-
-
-def _hf_model() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=2, max_position_embeddings=32)
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
-
-
-class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
-        return {"input_ids": ids, "labels": ids}
 
 
 def test_the_hf_trainers_checkpoint_folder_names_its_phase_and_its_masters(

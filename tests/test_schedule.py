@@ -5,6 +5,7 @@ a switch, the Hugging Face Trainer, and the errors."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -53,26 +54,36 @@ def _scheduled(phases: dict[int | float, Any], *, stop: int = STEPS,
     return model, losses, dtypes, saved
 
 
-def _by_hand(low: set[int]) -> tuple[nn.Module, list[float]]:
+def _mse(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x).float() - y).pow(2).mean()
+
+
+def _by_hand(low: set[int], *, model: nn.Module | None = None,
+             batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+             loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = _mse,
+             clip: float | None = None) -> tuple[nn.Module, list[float]]:
     """fp32 masters stepped by torch's AdamW: in the bf16 steps (`low`) the model holds them
     rounded and its bf16 gradients are upcast into them (Apex O2, masters made from the bf16
-    weights, fused step); in the others it holds them as they are (torch's default step)."""
-    model = _model()
+    weights, fused step); in the others it holds them as they are (torch's default step).
+    `clip`: the fp32 gradients clipped to that norm first, as a trainer clips them."""
+    model = _model() if model is None else model
     first = torch.bfloat16 if 0 in low else torch.float32
     masters = [p.detach().to(first).float().requires_grad_() for p in model.parameters()]
     opt: torch.optim.AdamW | None = None
     losses = []
-    for i, (x, y) in enumerate(_batches()):
+    for i, (x, y) in enumerate(_batches() if batches is None else batches):
         dtype = torch.bfloat16 if i in low else torch.float32
         for p, m in zip(model.parameters(), masters, strict=True):
             p.data = m.detach().to(dtype)
-        loss = (model(x.to(dtype)).float() - y).pow(2).mean()
+        loss = loss_of(model, x.to(dtype), y)
         for p in model.parameters():
             p.grad = None
         loss.backward()
         for p, m in zip(model.parameters(), masters, strict=True):
             assert p.grad is not None
             m.grad = p.grad.float()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(masters, clip)
         new = torch.optim.AdamW(masters, lr=1e-2, fused=True if i in low else None)
         if opt is not None:
             new.state.update(opt.state)  # the moments carry over
@@ -173,11 +184,14 @@ def _hf_model() -> nn.Module:
 
 
 class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self) -> None:
+    """`n` copies of one sequence: the Trainer's shuffling does not change what it trains on."""
+
+    def __init__(self, n: int = 1) -> None:
         self.ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+        self.n = n
 
     def __len__(self) -> int:
-        return 1
+        return self.n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids, "labels": self.ids}
@@ -641,3 +655,12 @@ def test_under_ddp_a_switch_needs_the_model_wrapped_again_and_says_so() -> None:
     assert out["rewrapped_spread"] == 0.0
     assert out["rewrapped_vs_whole"] < 2**-8 * 0.1  # under a bf16 ulp of a weight of 0.1
     assert out["kept_spread"] > 1e-3  # why the warning is there
+
+
+def test_a_refused_checkpoint_leaves_the_schedule_where_it_was() -> None:
+    _, _, _, saved = _scheduled({0: "bf16-master", 6: "32-true"}, stop=7)
+    model = _model()
+    sched = pa.schedule(model, {0: "bf16-master", 8: "32-true"})
+    with pytest.raises(ValueError, match="saved at step 7"):
+        sched.load_state_dict(saved["schedule"])
+    assert sched.step_count == 0 and sched.phase == 0

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import precision_annot as pa
+from tests.test_schedule import _hf_model, _Tokens
 
 BF16, FP32 = torch.bfloat16, torch.float32
 NARROWER = r"narrower than the plan keeps them"
@@ -62,30 +63,6 @@ def _ours(said: list[warnings.WarningMessage]) -> list[str]:
 
 
 # -- the Hugging Face Trainer -------------------------------------------------------------------
-
-def _hf_model() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=2, max_position_embeddings=32)
-    model: nn.Module = transformers.LlamaForCausalLM(config)
-    return model
-
-
-class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """`n` copies of one sequence: the Trainer's shuffling does not change what it trains on."""
-
-    def __init__(self, n: int = 1) -> None:
-        self.ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids, "labels": self.ids}
-
 
 def _hf_trainer(out: Path, phases: dict[int | float, Any], *, give_optimizer: bool = True,
                 data: Any = None, **kwargs: Any) -> tuple[nn.Module, Any, Any]:

@@ -302,7 +302,7 @@ class Schedule:
         self.step_count = step  # a resumed run's: its phase is the first applied, alone
         self.history: list[Switch] = []
         self._applied: int | None = None
-        self._attached: list[weakref.ref[Any]] = []
+        self._attached = False  # some optimizer saves this schedule's phase
         self._narrowed_load: list[Narrowed] = []
         self._stepped = False  # no step counted yet by this object: a resume may be loading
         self._follow_model()
@@ -333,7 +333,10 @@ class Schedule:
     @property
     def phase(self) -> int:
         """The index in `phases` of the phase the next step runs in."""
-        return max(i for i, (start, _) in enumerate(self.phases) if start <= self.step_count)
+        return self._phase_at(self.step_count)
+
+    def _phase_at(self, step: int) -> int:
+        return max(i for i, (start, _) in enumerate(self.phases) if start <= step)
 
     @property
     def current(self) -> Phase:
@@ -349,9 +352,9 @@ class Schedule:
         """Count one optimizer step (call it after `optimizer.step()`); where the next step
         starts a new phase, apply it. Returns whether it switched."""
         self.step_count += 1
+        if not self._attached and not self._stepped:
+            self.attach()  # an optimizer a trainer built after the schedule, at its first step
         self._stepped = True
-        if not self._attached:
-            self.attach()  # an optimizer a trainer built after the schedule
         guard.release_wide(self.model.parameters())
         if self._narrowed_load:
             found, self._narrowed_load = self._narrowed_load, []
@@ -379,7 +382,7 @@ class Schedule:
         goes to it first (see `PlanOptimizer.load_state_dict`)."""
         for opt in self._optimizers():
             opt.__dict__["_precision_annot_schedule"] = weakref.ref(self)
-            self._attached.append(weakref.ref(opt))
+            self._attached = True
 
     def _switch(self, *, measure: bool = True) -> bool:
         phase = self.phase
@@ -441,9 +444,6 @@ class Schedule:
             raise ValueError(
                 "Schedule.load_state_dict: state_dict must be what Schedule.state_dict() "
                 f"returned, with an int 'step' >= 0. Received: state_dict={state_dict!r}")
-        if step != self.step_count:  # another point of the run: its masters load with it
-            self._narrowed_load = []  # (a state given back where it is, as Accelerate's
-        self.step_count = step  # wrapper gives it, says nothing about the weights loaded)
         texts = state_dict.get("phases")
         mine = [[start, _text(spec)] for start, spec in self.phases]
         if texts is not None and [list(t) for t in texts] != mine:
@@ -452,23 +452,23 @@ class Schedule:
                 f"phases {texts!r}, and this schedule's are {mine!r}: build the schedule with "
                 f"the phases the run was saved under. Received: state_dict={dict(state_dict)!r}")
         saved = (state_dict.get("phase"), state_dict.get("phase_start"))
-        if saved != (self.phase, self.phases[self.phase][0]):
+        phase = self._phase_at(step)
+        if saved != (phase, self.phases[phase][0]):
             raise ValueError(
                 f"Schedule.load_state_dict: the checkpoint was saved at step {step} in phase "
                 f"{saved[0]!r} (from step {saved[1]!r}), and this schedule's phases put step "
-                f"{step} in phase {self.phase} (from step {self.phases[self.phase][0]}): "
+                f"{step} in phase {phase} (from step {self.phases[phase][0]}): "
                 "build the schedule with the phases the run was saved under. Received: "
                 f"state_dict={dict(state_dict)!r}")
-        self.step_count = step
+        if step != self.step_count:  # another point of the run: its masters load with it
+            self._narrowed_load = []  # (a state given back where it is, as Accelerate's
+        self.step_count = step  # wrapper gives it, says nothing about the weights loaded)
         self._switch(measure=False)  # not a switch of the run: its state is loaded next
 
-    def __getstate__(self) -> dict[str, Any]:
-        # (the optimizers it is attached to are found again: a copy attaches to the copies)
-        return {k: v for k, v in self.__dict__.items() if k != "_attached"}
-
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a copy follows the copied model and attaches to the copied optimizers)
         self.__dict__.update(state)
-        self._attached = []
+        self._attached = False
         self._follow_model()
         self.attach()
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import precision_annot as pa
+from tests.test_schedule import _by_hand as by_hand
 
 L = pytest.importorskip("lightning")
 from precision_annot.adapters.lightning import (  # noqa: E402
@@ -118,35 +119,11 @@ def _plain(phases: dict[int | float, Any], *, accumulate: int = 1, clip: bool = 
 
 
 def _by_hand(low: set[int]) -> tuple[nn.Module, list[float]]:
-    """tests/test_schedule.py's switch by hand (fp32 masters stepped by torch's AdamW, held
-    rounded in the bf16 steps `low`, whole in the others), with the gradients clipped as
-    Lightning clips them: in fp32 (bf16-master keeps fp32 gradients, `grad=fp32`)."""
-    model = _net()
-    first = BF16 if 0 in low else FP32
-    masters = [p.detach().to(first).float().requires_grad_() for p in model.parameters()]
-    opt: torch.optim.AdamW | None = None
-    batches, losses = _batches(), []
-    for i in range(STEPS):
-        x, y = batches[i % 2]
-        dtype = BF16 if i in low else FP32
-        for p, m in zip(model.parameters(), masters, strict=True):
-            p.data = m.detach().to(dtype)
-            p.grad = None
-        loss = _loss(model, x.to(dtype), y)
-        loss.backward()
-        for p, m in zip(model.parameters(), masters, strict=True):
-            assert p.grad is not None
-            m.grad = p.grad.float()
-        torch.nn.utils.clip_grad_norm_(masters, CLIP)
-        new = torch.optim.AdamW(masters, lr=1e-2, fused=True if i in low else None)
-        if opt is not None:
-            new.state.update(opt.state)  # the moments carry over
-        opt = new
-        opt.step()
-        losses.append(loss.item())
-    for p, m in zip(model.parameters(), masters, strict=True):
-        p.data = m.detach().to(p.dtype)
-    return model, losses
+    """tests/test_schedule.py's switch by hand, over this file's model and batches, with the
+    gradients clipped as Lightning clips them: in fp32 (bf16-master keeps fp32 gradients)."""
+    batches = _batches()
+    return by_hand(low, model=_net(), batches=[batches[i % 2] for i in range(STEPS)],
+                   loss_of=_loss, clip=CLIP)
 
 
 def _equal(model: nn.Module, other: nn.Module) -> None:

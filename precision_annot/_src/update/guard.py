@@ -299,6 +299,8 @@ def scheduled_storages() -> set[int]:
 def release_wide(params: Iterable[torch.Tensor]) -> None:
     """The schedule stepped: the values a load kept for a parameter whose plan keeps no
     master are stale (the step wrote it), and let go."""
+    if not len(_WIDE):
+        return  # (every step of a run: nothing kept, nothing to walk)
     for p in params:
         if p in _WIDE and _master_dtype(p) is None:
             _WIDE.pop(p, None)  # type: ignore[no-untyped-call]
@@ -324,9 +326,9 @@ def _going_on(param: torch.Tensor) -> bool:
     return any(_stepped(opt.state.get(param)) for opt in list(_FOLLOWED))
 
 
-def _optimized(param: torch.Tensor) -> bool:
-    return any(param is p for opt in list(_FOLLOWED) for g in opt.param_groups
-               for p in g["params"])
+def _optimized() -> set[int]:
+    """The parameters (by id) the planned optimizers hold."""
+    return {id(p) for opt in list(_FOLLOWED) for g in opt.param_groups for p in g["params"]}
 
 
 def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
@@ -338,10 +340,11 @@ def narrowing(params: Iterable[tuple[torch.Tensor, torch.Tensor, torch.dtype]],
     widest copy there is, not from the rounded weight. The masters of a model not stepped yet
     are made from its rounded weights, as Apex O2 and DeepSpeed make them."""
     said = {id(p): s for p, s in planned}
+    held = _optimized() if _SWITCHING[0] else set()
     for param, value, stored in params:
         if (id(param) not in said or not wider(value.dtype, stored) or param in _WIDE
                 or _held_master(param) or not (_going_on(param) or (
-                    _SWITCHING[0] and param in _SCHEDULED and _optimized(param)))):
+                    id(param) in held and param in _SCHEDULED))):
             continue
         dtype = rule_for(said[id(param)].fields, stored).master
         if dtype is not None:
