@@ -85,8 +85,9 @@ def _hf_trainer(out: Path, phases: dict[int | float, Any], *, give_optimizer: bo
     return hf, trainer, lambda: schedule_callback(trainer, phases)
 
 
-@pytest.mark.parametrize("phases", [{0: "32-true", 4: "bf16-master"},
-                                    {0: "32-true", 3: "bf16-true"}])
+@pytest.mark.parametrize("phases", [
+    pytest.param({0: "32-true", 4: "bf16-master"}, marks=pytest.mark.slow),  # over budget
+    {0: "32-true", 3: "bf16-true"}])
 def test_hf_an_optimizer_the_trainer_builds_is_refused_before_the_first_step(
         tmp_path: Path, phases: dict[int | float, Any]) -> None:
     _, trainer, callback = _hf_trainer(tmp_path, phases, give_optimizer=False, max_steps=6)

@@ -457,6 +457,7 @@ def test_gradient_checkpointing_recomputes_in_the_planned_dtypes() -> None:
         assert_close(plain[n], checkpointed[n], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # over make test's budget (3.7 s of inductor): run by make test-all
 def test_compile_fullgraph_matches_eager() -> None:
     model, _ = annotated("gpt2")
     apply(model, default="bf16")
